@@ -1,0 +1,138 @@
+"""The Backend interface: everything longmoe asks of a device vendor, in one place.
+
+Core code holds a Backend (from `longmoe.backends.active_backend()`) and never branches on the
+vendor itself. Each implementation lives in `backends/<vendor>/` and registers itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longmoe.backends.collective import CollectiveAdapter
+from longmoe.backends.kernels import kernel_config_from
+from longmoe.backends.timing import Timer
+from longmoe.backends.versions import versions
+
+# Packages every backend needs; vendors add the ones their probes use (see `packages`).
+CORE_PACKAGES: tuple[str, ...] = ("torch", "triton", "liger-kernel", "megatron-core")
+
+
+class Backend(abc.ABC):
+    name: str = ""
+    device_type: str = "cpu"
+    packages: tuple[str, ...] = CORE_PACKAGES
+    # Vendor directory holding kernels.json; set by each implementation to its own folder.
+    data_dir: Path = Path(__file__).parent
+    collective: CollectiveAdapter = CollectiveAdapter()
+
+    # --- availability -----------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> bool: ...
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """One line saying why `is_available()` is False, None when it is True."""
+        return None if cls.is_available() else f"{cls.name} backend is not available"
+
+    # --- devices ----------------------------------------------------------------------------
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device(self.device_type, local_rank)
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its device; a no-op where there is only the host."""
+
+    def synchronize(self) -> None:
+        """Block until queued device work is done; a no-op where work is synchronous."""
+
+    @abc.abstractmethod
+    def probe(self) -> dict[str, Any]:
+        """name, arch, sm_count, memory_bytes, warp_size, device_count, interconnect, errors.
+
+        Never raises: a field that could not be read is None and the reason is in `errors`.
+        """
+
+    @abc.abstractmethod
+    def _read_arch(self) -> str: ...
+
+    @functools.cached_property
+    def arch(self) -> str:
+        """Architecture name used to key kernel configs ("sm_90", "gfx942", "cpu"); "any" if unreadable."""
+        try:
+            return self._read_arch()
+        except Exception:  # an unreadable arch means generic configs, not a crash
+            return "any"
+
+    # --- timing and memory ------------------------------------------------------------------
+    @abc.abstractmethod
+    def timer(self) -> Timer: ...
+
+    @abc.abstractmethod
+    def reset_peak_memory(self) -> None: ...
+
+    @abc.abstractmethod
+    def peak_memory_bytes(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def memory_label(self) -> str:
+        """What `peak_memory_bytes` measures, for reports next to the number."""
+
+    # --- capabilities -----------------------------------------------------------------------
+    def supports_grouped_mm(self, dtype: torch.dtype) -> bool:
+        """Whether torch._grouped_mm runs here in `dtype`; the ops registry falls back if not."""
+        return False
+
+    def supports_reduce_dtype(self, dtype: torch.dtype) -> bool:
+        return self.collective.supports_reduce_dtype(dtype)
+
+    # --- collectives ------------------------------------------------------------------------
+    @property
+    def dist_backend(self) -> str:
+        return self.collective.dist_backend
+
+    @property
+    def comm_stream_priority(self) -> int:
+        return self.collective.comm_stream_priority
+
+    @property
+    def a2a_transport(self) -> str:
+        return self.collective.a2a_transport
+
+    def collective_env(self) -> dict[str, str]:
+        """Environment defaults for init_process_group (before user overrides)."""
+        return self.collective.env()
+
+    def apply_collective_env(self) -> dict[str, str]:
+        """Set the defaults the user has not set in os.environ; returns what was set."""
+        return self.collective.apply_env()
+
+    # --- kernel configs ---------------------------------------------------------------------
+    def kernel_config(self, kernel: str, shape_bucket: str | None = None) -> dict[str, Any]:
+        return kernel_config_from(self.data_dir / "kernels.json", kernel, self.arch, shape_bucket)
+
+    # --- reporting --------------------------------------------------------------------------
+    def versions(self) -> dict[str, str | None]:
+        return versions()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "device_type": self.device_type,
+            "dist_backend": self.dist_backend,
+            "probe": self.probe(),
+            "versions": self.versions(),
+            "packages": list(self.packages),
+            "collective_env": self.collective_env(),
+            "collective_env_to_apply": self.collective.env_to_apply(),
+            "comm_stream_priority": self.comm_stream_priority,
+            "a2a_transport": self.a2a_transport,
+        }
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r}>"

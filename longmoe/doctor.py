@@ -1,0 +1,109 @@
+"""`longmoe doctor`: what this machine offers longmoe, read-only.
+
+Reports the backend that would run, its devices, package versions, the collective environment
+the adapter would apply, and what is missing. It starts no process group and changes no
+environment, so it is safe to run on a login node or inside a busy job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from longmoe.backends import ENV_VAR, active_backend, availability, get_backend
+
+
+def collect() -> dict[str, Any]:
+    """The doctor report as one JSON-ready dict."""
+    backend_error = None
+    try:
+        backend = active_backend()
+    except (ValueError, RuntimeError) as e:  # a bad ${ENV_VAR}: report it, describe auto instead
+        backend_error = f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: {e}"
+        backend = get_backend("auto")
+    report = backend.describe()
+    versions = report["versions"]
+    missing = [f"package {p} is not installed" for p in backend.packages if versions.get(p) is None]
+    missing += [f"probe: {err}" for err in report["probe"]["errors"]]
+    report.update(
+        backend_error=backend_error,
+        memory_label=backend.memory_label,
+        backends={n: why or "available" for n, why in availability().items()},
+        missing=missing,
+    )
+    return report
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _print_rich(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    probe = report["probe"]
+    summary = Table(title="longmoe doctor", show_header=False)
+    summary.add_row("backend", report["backend"])
+    if report["backend_error"]:
+        summary.add_row("backend error", f"[red]{report['backend_error']}[/red]")
+    summary.add_row("torch device type", report["device_type"])
+    summary.add_row("process group backend", report["dist_backend"])
+    summary.add_row("comm stream priority", str(report["comm_stream_priority"]))
+    summary.add_row("all-to-all transport", report["a2a_transport"])
+    summary.add_row("memory figure", report["memory_label"])
+    for name, state in report["backends"].items():
+        summary.add_row(f"backend {name}", state)
+    console.print(summary)
+
+    devices = Table(title="devices", show_header=False)
+    for key in ("arch", "device_count", "sm_count", "warp_size"):
+        devices.add_row(key, str(probe.get(key)))
+    devices.add_row("memory", _fmt_bytes(probe.get("memory_bytes")))
+    for key, value in probe.get("interconnect", {}).items():
+        devices.add_row(f"interconnect.{key}", str(value))
+    console.print(devices)
+
+    versions = Table("package", "version", title="versions")
+    for pkg, ver in report["versions"].items():
+        versions.add_row(pkg, ver or "[dim]not installed[/dim]")
+    console.print(versions)
+
+    env = Table("variable", "default", "now", title="collective environment")
+    for key, default in report["collective_env"].items():
+        now = os.environ.get(key)
+        env.add_row(key, default, "would set" if now is None else f"user set: {now}")
+    if not report["collective_env"]:
+        env.add_row("(none)", "", "")
+    console.print(env)
+
+    if report["missing"]:
+        console.print("[yellow]missing:[/yellow]")
+        for line in report["missing"]:
+            console.print(f"  - {line}", markup=False)
+    else:
+        console.print("[green]missing: nothing[/green]")
+
+
+def run_doctor(as_json: bool = False) -> int:
+    """Print the report (rich tables, or one JSON object). 0 unless ${ENV_VAR} names a backend
+    that cannot run, which would fail every training launch the same way."""
+    report = collect()
+    if as_json:
+        print(json.dumps(report, default=str))
+    else:
+        _print_rich(report)
+    return 1 if report["backend_error"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="longmoe doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return run_doctor(as_json=parser.parse_args(argv).json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Dense building blocks: RMSNorm, rotary embedding (partial rotary), grouped-query attention.
+
+Legend: B batch, S sequence, H hidden, N query heads, K kv heads, D head dim, R rotary dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longmoe.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in fp32: bf16 mean-of-squares loses ~3 digits at H=2048.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
+        return (y * w).to(x.dtype)
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(positions_S: torch.Tensor, rotary_dim: int, theta: float, dtype):
+    """cos/sin [S, R] for the rotate-half convention (frequencies repeated over both halves)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions_S.device,
+                                            dtype=torch.float64) / rotary_dim)
+    ang_SR2 = positions_S.to(torch.float64)[:, None] * inv_freq[None, :]
+    ang_SR = torch.cat([ang_SR2, ang_SR2], dim=-1)
+    return ang_SR.cos().to(dtype), ang_SR.sin().to(dtype)
+
+
+def apply_rope(x_BSND, cos_SR, sin_SR):
+    """Rotate the first R dims of each head; the remaining D - R pass through (partial rotary)."""
+    r = cos_SR.shape[-1]
+    rot, rest = x_BSND[..., :r], x_BSND[..., r:]
+    half = r // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = cos_SR[None, :, None, :], sin_SR[None, :, None, :]
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        # With the output gate, q_proj emits [q_head0, gate_head0, q_head1, ...] (per-head halves).
+        self.q_proj = nn.Linear(h, n * d * (2 if cfg.attn_output_gate else 1), bias=False)
+        self.k_proj = nn.Linear(h, k * d, bias=False)
+        self.v_proj = nn.Linear(h, k * d, bias=False)
+        self.o_proj = nn.Linear(n * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+    def forward(self, x_BSH, cos_SR, sin_SR):
+        cfg = self.cfg
+        B, S, _ = x_BSH.shape
+        n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = self.q_proj(x_BSH)
+        gate_BSND = None
+        if cfg.attn_output_gate:
+            q, gate_BSND = q.view(B, S, n, 2 * d).chunk(2, dim=-1)
+        q_BSND = q.reshape(B, S, n, d)
+        k_BSKD = self.k_proj(x_BSH).view(B, S, k, d)
+        v_BSKD = self.v_proj(x_BSH).view(B, S, k, d)
+        if cfg.qk_norm:
+            q_BSND, k_BSKD = self.q_norm(q_BSND), self.k_norm(k_BSKD)
+        q_BSND = apply_rope(q_BSND, cos_SR, sin_SR)
+        k_BSKD = apply_rope(k_BSKD, cos_SR, sin_SR)
+        o_BNSD = F.scaled_dot_product_attention(
+            q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
+            is_causal=True, enable_gqa=n != k)
+        o_BSND = o_BNSD.transpose(1, 2)
+        if gate_BSND is not None:
+            o_BSND = o_BSND * torch.sigmoid(gate_BSND)
+        return self.o_proj(o_BSND.reshape(B, S, n * d))

@@ -1,0 +1,97 @@
+"""The decoder-only MoE transformer: embedding, blocks (attention + MoE), final norm and an untied
+LM head whose forward is the linear cross-entropy (logits never materialise).
+
+Legend: B batch, S sequence, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from longmoe.config import ModelConfig
+from longmoe.model.layers import Attention, RMSNorm, rope_cos_sin
+from longmoe.model.moe import MoE, GroupedExperts
+from longmoe.ops.linear_ce import linear_logprobs
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.attn = Attention(cfg)
+        self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.moe = MoE(cfg, ep_rank, ep_size)
+
+    def forward(self, x_BSH, cos, sin):
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos, sin)
+        y_BSH, aux = self.moe(self.moe_norm(x_BSH))
+        return x_BSH + y_BSH, aux
+
+
+class LMHead(nn.Module):
+    """Final norm + output projection. Its forward returns per-token log-probs (and entropy) of
+    the labels through linear cross-entropy, so FSDP unshards the weight around that call."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.impl = "auto"
+
+    def forward(self, x_BSH, labels_BS, with_entropy: bool = False):
+        return linear_logprobs(self.norm(x_BSH), self.weight, labels_BS,
+                               with_entropy=with_entropy, impl=self.impl)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+        super().__init__()
+        if cfg.num_experts % ep_size:
+            raise ValueError(f"ep={ep_size} does not divide num_experts={cfg.num_experts}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, ep_rank, ep_size) for _ in range(cfg.num_layers))
+        self.head = LMHead(cfg)
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False):
+        """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar)."""
+        S = input_ids_BS.shape[1]
+        if positions_S is None:
+            positions_S = torch.arange(S, device=input_ids_BS.device)
+        x_BSH = self.embed(input_ids_BS)
+        cos, sin = rope_cos_sin(positions_S, self.cfg.rotary_dim, self.cfg.rope_theta, x_BSH.dtype)
+        aux = x_BSH.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x_BSH, layer_aux = layer(x_BSH, cos, sin)
+            aux = aux + layer_aux
+        logprobs, entropy = self.head(x_BSH, labels_BS, with_entropy)
+        return logprobs, entropy, aux
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        """Deterministic init independent of layout: each parameter draws from a generator seeded
+        by (seed, its name); expert stacks are drawn at full [E, ...] size and sliced, so a rank
+        holding experts [a, b) gets exactly the rows a one-rank model holds there."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            name = name.replace("block.", "")  # recompute wrappers do not change identity
+            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            if isinstance(owner, RMSNorm):
+                owner.reset_parameters()
+                continue
+            gen = torch.Generator(device=p.device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode()))
+            if isinstance(owner, GroupedExperts):
+                full = (self.cfg.num_experts,) + tuple(p.shape[1:])
+                w = torch.empty(full, device=p.device, dtype=p.dtype).normal_(0, std, generator=gen)
+                p.copy_(w[owner.first_expert:owner.first_expert + owner.num_local])
+            else:
+                p.normal_(0, std, generator=gen)
+        for moe in self.moe_layers():
+            moe.router.expert_bias.zero_()

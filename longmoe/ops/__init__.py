@@ -1,0 +1,9 @@
+"""Primitives with registries; each has a plain-PyTorch reference that runs on CPU."""
+
+from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm
+from longmoe.ops.linear_ce import LINEAR_CE, linear_cross_entropy, linear_logprobs
+from longmoe.ops.recompute import RECOMPUTE, apply_recompute
+from longmoe.ops.registry import ImplUnavailable, Registry
+
+__all__ = ["linear_cross_entropy", "linear_logprobs", "grouped_mm", "apply_recompute",
+           "LINEAR_CE", "GROUPED_MM", "RECOMPUTE", "Registry", "ImplUnavailable"]

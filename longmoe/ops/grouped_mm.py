@@ -1,0 +1,57 @@
+"""Grouped GEMM: out[rows of group g] = x[rows of group g] @ w[g].
+
+Legend: M rows (tokens grouped by expert, contiguous), K in features, N out features, G groups.
+
+Implementations (registry "grouped_mm"):
+  loop   one matmul per non-empty group; runs everywhere; the reference.
+  torch  torch._grouped_mm (one kernel for all groups) where the backend supports it.
+A portable Triton grouped GEMM registers here later (issue C).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longmoe.ops.registry import Registry
+
+GROUPED_MM = Registry("grouped_mm")
+
+
+def _torch_check(x_MK, w_GKN, sizes):
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no _grouped_mm"
+    if x_MK.device.type == "cpu":
+        return "torch._grouped_mm needs an accelerator"
+    from longmoe.backends import active_backend
+    if not active_backend().supports_grouped_mm(x_MK.dtype):
+        return f"backend {active_backend().name} does not support _grouped_mm for {x_MK.dtype}"
+    if x_MK.shape[1] % 16 or w_GKN.shape[2] % 16:
+        return "K and N must be multiples of 16"
+    return None
+
+
+@GROUPED_MM.register("torch", priority=10, check=_torch_check)
+def _torch_grouped(x_MK, w_GKN, sizes, offs=None):
+    if offs is None:
+        offs = torch.tensor(sizes, device=x_MK.device).cumsum(0).to(torch.int32)
+    return torch._grouped_mm(x_MK, w_GKN, offs=offs)
+
+
+@GROUPED_MM.register("loop", priority=0, reference=True)
+def _loop(x_MK, w_GKN, sizes, offs=None):
+    outs, s = [], 0
+    for g, n in enumerate(sizes):
+        if n:
+            outs.append(x_MK[s:s + n] @ w_GKN[g])
+        s += n
+    if not outs:  # keep the graph connected so every expert still gets a (zero) gradient
+        return x_MK.new_zeros(0, w_GKN.shape[2]) + 0 * w_GKN.sum()
+    return torch.cat(outs)
+
+
+def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, sizes: list[int],
+               offs: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    if sum(sizes) != x_MK.shape[0] or len(sizes) != w_GKN.shape[0]:
+        raise ValueError(f"grouped_mm: sizes (sum {sum(sizes)}, {len(sizes)} groups) do not match "
+                         f"x{tuple(x_MK.shape)} and w{tuple(w_GKN.shape)}")
+    return GROUPED_MM.select(impl, x_MK, w_GKN, sizes).fn(x_MK, w_GKN, sizes, offs)
