@@ -63,7 +63,10 @@ def detect_backend_name() -> str:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called `name` ("auto" detects). Unknown name: ValueError; absent device: RuntimeError."""
+    """The backend called `name` ("auto" detects one).
+
+    Unknown name: ValueError listing the valid ones. Device not present: RuntimeError saying why.
+    """
     key = name.strip().lower()
     if key == AUTO:
         key = detect_backend_name()
@@ -83,7 +86,10 @@ def active_backend() -> Backend:
     if _ACTIVE is None:
         forced = os.environ.get(ENV_VAR, "").strip()
         if forced and forced.lower() != AUTO:
-            _ACTIVE = get_backend(forced)
+            try:
+                _ACTIVE = get_backend(forced)
+            except (ValueError, RuntimeError) as e:  # say where the bad name came from
+                raise type(e)(f"{ENV_VAR}={forced!r}: {e}") from None
             log.info("longmoe backend: %s (from %s)", _ACTIVE.name, ENV_VAR)
         else:
             _ACTIVE = get_backend(AUTO)

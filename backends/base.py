@@ -62,7 +62,7 @@ class Backend(abc.ABC):
 
     @functools.cached_property
     def arch(self) -> str:
-        """Architecture name used to key kernel configs ("sm_90", "gfx942", "cpu"); "any" if unreadable."""
+        """Arch name that keys kernel configs ("sm_90", "gfx942", "cpu"); "any" if unreadable."""
         try:
             return self._read_arch()
         except Exception:  # an unreadable arch means generic configs, not a crash

@@ -35,7 +35,7 @@ def load_kernel_table(path: str | Path) -> Mapping[str, Any]:
 def lookup_kernel_config(
     table: Mapping[str, Any], kernel: str, arch: str, shape_bucket: str | None = None
 ) -> dict[str, Any]:
-    """The most specific config for `kernel` on `arch` and `shape_bucket`; a fresh dict each call."""
+    """The most specific config for `kernel` on `arch` and `shape_bucket`, as a fresh dict."""
     by_arch = table.get(kernel) if not kernel.startswith("_") else None
     if not isinstance(by_arch, dict):
         known = sorted(k for k in table if not k.startswith("_"))
@@ -46,12 +46,13 @@ def lookup_kernel_config(
         if cfg is not None:
             return dict(cfg)
     raise KeyError(
-        f"kernel {kernel!r} has no config for arch {arch!r}, bucket {bucket!r} and no 'any' fallback"
+        f"kernel {kernel!r} has no config for arch {arch!r}, bucket {bucket!r}, "
+        "and no 'any' fallback"
     )
 
 
 def kernel_config_from(
     path: str | Path, kernel: str, arch: str, shape_bucket: str | None = None
 ) -> dict[str, Any]:
-    """Lookup against a JSON file at `path`: what backends use, and what tests point at their own data."""
+    """Lookup against the JSON file at `path` (backends pass theirs; tests pass their own)."""
     return lookup_kernel_config(load_kernel_table(path), kernel, arch, shape_bucket)

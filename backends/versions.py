@@ -1,4 +1,4 @@
-"""Installed versions of the packages longmoe cares about, read from metadata without importing them.
+"""Installed versions of the packages longmoe cares about, read from metadata, never imported.
 
 Importing megatron-core or a vendor library here would cost seconds and can fail on a machine
 without the matching driver; package metadata answers the version question without either.

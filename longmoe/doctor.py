@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from longmoe.backends import ENV_VAR, active_backend, availability, get_backend
+from longmoe.backends import active_backend, availability, get_backend
 
 
 def collect() -> dict[str, Any]:
@@ -20,8 +20,8 @@ def collect() -> dict[str, Any]:
     backend_error = None
     try:
         backend = active_backend()
-    except (ValueError, RuntimeError) as e:  # a bad ${ENV_VAR}: report it, describe auto instead
-        backend_error = f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: {e}"
+    except (ValueError, RuntimeError) as e:  # bad LONGMOE_BACKEND: report it, describe auto
+        backend_error = str(e)
         backend = get_backend("auto")
     report = backend.describe()
     versions = report["versions"]
@@ -89,7 +89,7 @@ def _print_rich(report: dict[str, Any]) -> None:
 
 
 def run_doctor(as_json: bool = False) -> int:
-    """Print the report (rich tables, or one JSON object). 0 unless ${ENV_VAR} names a backend
+    """Print the report (rich tables, or one JSON object). 0 unless LONGMOE_BACKEND names a backend
     that cannot run, which would fail every training launch the same way."""
     report = collect()
     if as_json:

@@ -1,4 +1,4 @@
-"""NVLink topology through NVML. Every NVML import and call is wrapped: absence degrades to "unknown"."""
+"""NVLink topology through NVML. Every NVML import and call is wrapped; absence gives "unknown"."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def nvlink_summary(device_count: int, device_index: int = 0) -> tuple[dict[str, 
                         version = int(pynvml.nvmlDeviceGetNvLinkVersion(handle, link))
             except pynvml.NVMLError:
                 continue  # link index past this GPU's count, or NVLink unsupported (PCIe card)
-        summary.update(
-            link="nvlink" if active else "pcie", nvlink_active_links=active, nvlink_version=version
-        )
+        # One GPU has no peer to link to; "pcie" there would read as a slow link that isn't there.
+        link = "nvlink" if active else ("pcie" if summary["gpus_per_node"] > 1 else "none")
+        summary.update(link=link, nvlink_active_links=active, nvlink_version=version)
         return summary, []
     except Exception as e:
         return summary, [f"pynvml: NVLink query failed ({error_line(e)})"]

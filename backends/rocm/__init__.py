@@ -1,4 +1,4 @@
-"""AMD GPUs through a ROCm build of torch: RCCL collectives, amdsmi/hip-python topology, gfx arch names."""
+"""AMD GPUs through a ROCm build of torch: RCCL, amdsmi/hip-python topology, gfx arch names."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from longmoe.backends.rocm.collective import RcclCollective
 from longmoe.backends.rocm.probe import link_summary
 from longmoe.backends.torch_gpu import TorchGpuBackend
 
-# Instinct archs where torch._grouped_mm has a ROCm kernel worth trying (MI300 series, MI350 series).
+# Instinct archs where torch._grouped_mm has a ROCm kernel worth trying (MI300 and MI350 series).
 GROUPED_MM_ARCHS = frozenset({"gfx942", "gfx950"})
 
 
@@ -40,7 +40,7 @@ class RocmBackend(TorchGpuBackend):
         return None
 
     def _arch_from_props(self, props: Any) -> str:
-        # gcnArchName carries feature flags ("gfx942:sramecc+:xnack-"); configs key on the base name.
+        # gcnArchName carries feature flags ("gfx942:sramecc+:xnack-"); configs key on the base.
         return str(props.gcnArchName).split(":")[0]
 
     def _interconnect(self, device_count: int) -> tuple[dict[str, Any], list[str]]:

@@ -49,7 +49,7 @@ def amdsmi_summary(device_count: int) -> tuple[dict[str, Any] | None, list[str]]
 
 
 def _hip_call(hip: Any, fn_name: str, *args: Any) -> tuple[Any, ...]:
-    """Call a hip-python function that returns (hipError_t, *values); raise on a non-success code."""
+    """Call a hip-python function returning (hipError_t, *values); raise unless it succeeded."""
     err, *values = getattr(hip, fn_name)(*args)
     if err != hip.hipError_t.hipSuccess:
         raise RuntimeError(f"{fn_name} returned {err}")
@@ -74,7 +74,7 @@ def hip_summary(device_count: int) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def link_summary(device_count: int) -> tuple[dict[str, Any], list[str]]:
-    """({gpus_per_node, link[, hops]}, errors); never raises, "unknown" link when nothing answers."""
+    """({gpus_per_node, link[, hops]}, errors); never raises; link "unknown" if nothing answers."""
     errors: list[str] = []
     for source in (amdsmi_summary, hip_summary):
         summary, errs = source(device_count)

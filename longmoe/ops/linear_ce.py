@@ -82,6 +82,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if with_entropy:
             ent_T = torch.where(valid_T, ent_T, 0.0)
         ctx.save_for_backward(h_TH, w_VH, safe_T, valid_T, lse_T)
+        ctx.set_materialize_grads(False)  # an unused entropy output costs no backward work
         ctx.chunk, ctx.with_entropy = chunk, with_entropy
         return lp_T, (ent_T if with_entropy else lse_T.new_zeros(0))
 
@@ -147,8 +148,9 @@ def linear_logprobs(hidden, weight, labels, *, ignore_index: int = -100, with_en
     _check_label_range(labels_T, weight.shape[0], ignore_index)
     chosen = LINEAR_CE.select(impl, h_TH, weight, labels_T)
     lp_T, ent_T = chosen.fn(h_TH, weight, labels_T, ignore_index, with_entropy, chunk_tokens)
-    lp = lp_T.view(labels.shape)
-    return lp, (ent_T.view(labels.shape) if ent_T is not None else None)
+    # Copies of T floats, so callers (and FSDP's output hooks) never see a view.
+    lp = lp_T.reshape(labels.shape).clone()
+    return lp, (ent_T.reshape(labels.shape).clone() if ent_T is not None else None)
 
 
 def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100,

@@ -1,0 +1,5 @@
+import sys
+
+from longmoe.cli import main
+
+sys.exit(main())

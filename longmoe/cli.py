@@ -1,0 +1,97 @@
+"""The `longmoe` command: a table of contents of what the package does.
+
+  train     the RL policy update on N local ranks (every primitive configurable)
+  doctor    backend, devices, library versions, what is missing
+  paired    a candidate implementation against its plain-PyTorch reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from longmoe.errors import UserError
+
+
+def _cmd_train(a) -> int:
+    from longmoe.train.config import load_run_config
+    from longmoe.train.launch import launch
+    from longmoe.train.trainer import RunOptions
+
+    overrides = list(a.set or [])
+    if a.steps is not None:
+        if a.steps < 0:
+            raise UserError(f"--steps: must be >= 0, got {a.steps}")
+        overrides.append(f"train.steps={a.steps}")
+    if a.nproc is not None:
+        if a.nproc < 1:
+            raise UserError(f"--nproc: must be >= 1, got {a.nproc}")
+        overrides.append(f"train.nproc={a.nproc}")
+    if a.resume and not a.checkpoint_dir:
+        raise UserError("--resume: needs --checkpoint-dir")
+    run = load_run_config(a.config, overrides)
+    opts = RunOptions(metrics_out=a.metrics_out, checkpoint_dir=a.checkpoint_dir, resume=a.resume)
+    return launch(run, run.train.nproc, opts)
+
+
+def _cmd_doctor(a) -> int:
+    from longmoe.doctor import run_doctor
+    return run_doctor(as_json=a.json)
+
+
+def _cmd_paired(a) -> int:
+    from longmoe.paired.cli import run_paired_cli
+    return run_paired_cli(a.primitive, impl=a.impl, nproc=a.nproc, as_json=a.json, seed=a.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longmoe", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="run the RL policy update")
+    t.add_argument("--config", required=True, help="YAML file or a shipped recipe name")
+    t.add_argument("--nproc", type=int, help="local ranks (default: train.nproc)")
+    t.add_argument("--steps", type=int, help="optimizer steps (default: train.steps)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config field, e.g. parallel.chunks=4 (repeatable)")
+    t.add_argument("--metrics-out", help="write one JSON object per step to this file")
+    t.add_argument("--checkpoint-dir", help="save DCP checkpoints here")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    t.set_defaults(fn=_cmd_train)
+
+    d = sub.add_parser("doctor", help="backend, devices, versions, what is missing")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=_cmd_doctor)
+
+    q = sub.add_parser("paired", help="candidate vs reference: loss, grads, peak memory, time")
+    q.add_argument("primitive", help="linear_ce | grouped_mm | recompute | ep | fsdp | step")
+    q.add_argument("--impl", default="auto", help="candidate implementation (default: auto)")
+    q.add_argument("--nproc", type=int, default=2, help="ranks for distributed primitives")
+    q.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=_cmd_paired)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a rank died: show its last line, not the launcher's traceback
+        from torch.multiprocessing import ProcessRaisedException
+        if isinstance(e, ProcessRaisedException):
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            print(f"error: a rank failed: {lines[-1] if lines else e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The run config: a YAML file (plus `--set dotted.key=value` overrides) parsed into frozen
+dataclasses. Unknown fields and impossible values are rejected by name before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from longmoe.config import ModelConfig, model_config_from
+from longmoe.errors import ConfigError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    ep: int = 1                     # expert-parallel group size (consecutive ranks)
+    chunks: int = 1                 # chunked EP: token chunks per MoE layer
+    fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
+    recompute: str = "none"         # none | full
+    param_dtype: str = "float32"    # FSDP2 compute dtype (bfloat16 on GPUs)
+    reduce_dtype: str = "float32"   # gradient reduction dtype
+    reshard_after_forward: bool = True
+    cp: int = 1                     # reserved: context parallel (issue D)
+    pp: int = 1                     # reserved: pipeline parallel
+    tp: int = 1                     # reserved: tensor parallel
+
+    def __post_init__(self):
+        if self.ep < 1:
+            raise ConfigError("parallel.ep", f"must be >= 1, got {self.ep}")
+        if self.chunks < 1:
+            raise ConfigError("parallel.chunks", f"must be >= 1, got {self.chunks}")
+        if self.recompute not in ("none", "full"):
+            raise ConfigError("parallel.recompute", f"must be none or full, got {self.recompute!r}")
+        for f in ("param_dtype", "reduce_dtype"):
+            if getattr(self, f) not in _DTYPES:
+                raise ConfigError(f"parallel.{f}", f"must be one of {_DTYPES}")
+
+
+@dataclass(frozen=True)
+class ImplConfig:
+    linear_ce: str = "auto"
+    grouped_mm: str = "auto"
+    recompute: str = "auto"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"       # synthetic | jsonl
+    path: str = ""                  # JSONL file for source=jsonl
+    batch_size: int = 4             # sequences per rank per step
+    seq_len: int = 128              # tokens per sequence (prompt + response, padded)
+    prompt_len: int = 32            # synthetic prompts
+    group_size: int = 4             # synthetic GRPO group: responses per prompt
+
+    def __post_init__(self):
+        if self.source not in ("synthetic", "jsonl"):
+            raise ConfigError("data.source", f"must be synthetic or jsonl, got {self.source!r}")
+        if self.source == "jsonl" and not self.path:
+            raise ConfigError("data.path", "required when data.source=jsonl")
+        for f in ("batch_size", "seq_len", "prompt_len", "group_size"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"data.{f}", f"must be >= 1, got {getattr(self, f)}")
+        if self.source == "synthetic" and self.prompt_len >= self.seq_len:
+            raise ConfigError("data.prompt_len", f"{self.prompt_len} leaves no room for a "
+                                                 f"response in seq_len={self.seq_len}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    type: str = "grpo"              # grpo (PPO clipped surrogate) | sft
+    clip_low: float = 0.2
+    clip_high: float = 0.28         # asymmetric upper clip ("clip-higher")
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.type not in ("grpo", "sft"):
+            raise ConfigError("loss.type", f"must be grpo or sft, got {self.type!r}")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError("loss.clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0          # 0 disables clipping
+    warmup_steps: int = 0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError("optim.lr", f"must be > 0, got {self.lr}")
+        if len(self.betas) != 2:
+            raise ConfigError("optim.betas", "needs two values")
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 10
+    seed: int = 0
+    nproc: int = 1
+    device: str = "auto"            # auto | cpu | cuda | rocm (a backend name)
+    checkpoint_every: int = 0       # 0: only at the end when a checkpoint dir is given
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ConfigError("train.steps", f"must be >= 0, got {self.steps}")
+        if self.nproc < 1:
+            raise ConfigError("train.nproc", f"must be >= 1, got {self.nproc}")
+        if self.device not in ("auto", "cpu", "cuda", "rocm"):
+            raise ConfigError("train.device", f"must be auto, cpu, cuda or rocm, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    impl: ImplConfig = field(default_factory=ImplConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"parallel": ParallelConfig, "impl": ImplConfig, "data": DataConfig,
+             "loss": LossConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def _section(cls, raw: Any, name: str):
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(name, f"expected a mapping, got {type(raw).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    for k, v in raw.items():
+        if k not in known:
+            raise ConfigError(f"{name}.{k}", "unknown field")
+        want = known[k].type
+        if want in ("int", "float") and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{name}.{k}", f"expected a number, got {v!r}")
+        if want == "int" and isinstance(v, float):
+            raise ConfigError(f"{name}.{k}", f"expected an integer, got {v!r}")
+        if want == "bool" and not isinstance(v, bool):
+            raise ConfigError(f"{name}.{k}", f"expected true or false, got {v!r}")
+        if want == "str" and not isinstance(v, str):
+            raise ConfigError(f"{name}.{k}", f"expected a string, got {v!r}")
+    if "betas" in raw:
+        raw = {**raw, "betas": tuple(raw["betas"])}
+    return cls(**raw)
+
+
+def from_dict(raw: dict) -> RunConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("config", "top level must be a mapping")
+    for k in raw:
+        if k != "model" and k not in _SECTIONS:
+            raise ConfigError(k, f"unknown section; valid: model, {', '.join(_SECTIONS)}")
+    parts = {k: _section(cls, raw.get(k), k) for k, cls in _SECTIONS.items()}
+    return RunConfig(model=model_config_from(raw.get("model")), **parts)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`--set a.b=value`: the value is parsed as YAML (numbers, bools, lists)."""
+    raw = dict(raw)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError("--set", f"expected dotted.key=value, got {item!r}")
+        key, val = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for p in parts[:-1]:
+            node[p] = dict(node.get(p) or {})
+            node = node[p]
+        node[parts[-1]] = _parse_value(val)
+    return raw
+
+
+def _parse_value(text: str):
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def resolve_config_path(name: str) -> Path:
+    p = Path(name)
+    if p.exists():
+        return p
+    shipped = RECIPE_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if shipped.exists():
+        return shipped
+    known = ", ".join(sorted(q.stem for q in RECIPE_DIR.glob("*.yaml")))
+    raise ConfigError("--config", f"{name} not found (shipped recipes: {known})")
+
+
+def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
+    raw: dict = {}
+    if path:
+        p = resolve_config_path(path)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError("--config", f"{p}{where}: not valid YAML") from None
+    return from_dict(apply_overrides(raw, overrides or []))

@@ -1,0 +1,69 @@
+"""`longmoe train`: validate everything that can be wrong with the input, then start N local ranks
+(gloo on CPU, nccl on CUDA/ROCm) or, under torchrun, join the ranks it started."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+from longmoe.errors import UserError
+from longmoe.parallel.mesh import validate_layout
+from longmoe.train.config import RunConfig
+from longmoe.train.data import read_jsonl
+from longmoe.train.trainer import RunOptions, rank_main, resolve_backend, init_distributed, train
+
+
+def validate(run: RunConfig, nproc: int):
+    """Every check that needs no process group; raises UserError naming the field."""
+    validate_layout(nproc, run.parallel.ep, run.model.num_experts, run.parallel.cp,
+                    run.parallel.pp, run.parallel.tp)
+    per_rank_tokens = run.data.batch_size * run.data.seq_len
+    if run.parallel.chunks > per_rank_tokens:
+        raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the "
+                        f"{per_rank_tokens} tokens a rank holds per layer")
+    if run.data.seq_len > run.model.max_seq_len:
+        raise UserError(f"data.seq_len: {run.data.seq_len} exceeds model.max_seq_len="
+                        f"{run.model.max_seq_len}")
+    if run.data.source == "jsonl":
+        read_jsonl(run.data.path, run.model.vocab_size)
+    try:
+        backend = resolve_backend(run.train.device)
+    except (ValueError, RuntimeError) as e:
+        raise UserError(f"train.device: {e}") from None
+    if backend.device_type != "cpu":
+        count = backend.probe().get("device_count") or 0
+        if nproc > count:
+            raise UserError(f"--nproc: {nproc} ranks but only {count} {backend.name} device(s)")
+    return backend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        backend = validate(run, world)
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        init_distributed(backend, int(os.environ["RANK"]), world, local)
+        import torch.distributed as dist
+        try:
+            train(run, opts, backend, backend.device(local))
+        finally:
+            dist.destroy_process_group()
+        return 0
+    validate(run, nproc)
+    if opts.metrics_out and os.path.exists(opts.metrics_out) and not opts.resume:
+        os.remove(opts.metrics_out)
+    port = _free_port()
+    if nproc == 1:
+        rank_main(0, 1, run, opts, port)
+        return 0
+    mp.start_processes(rank_main, args=(nproc, run, opts, port), nprocs=nproc,
+                       start_method="spawn", join=True)
+    return 0

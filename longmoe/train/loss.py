@@ -1,0 +1,38 @@
+"""Policy-update losses on per-token log-probs. Every loss is a *sum over this rank's tokens
+divided by the global token count*, so summing gradients across ranks (FSDP divide factor 1)
+gives exactly the gradient of the global-batch token mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longmoe.train.config import LossConfig
+
+
+def policy_loss(cfg: LossConfig, logprobs, entropy, labels, advantages, old_logprobs,
+                global_tokens: int):
+    """Returns (loss, stats). GRPO/PPO clipped surrogate:
+    -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A), r = exp(logp - logp_old);
+    tokens whose rollout log-prob is NaN (not supplied) are on-policy: logp_old = logp.detach()."""
+    mask = labels != -100
+    n = max(int(global_tokens), 1)
+    stats = {}
+    if cfg.type == "sft":
+        loss = -(logprobs * mask).sum() / n
+    else:
+        old = torch.where(torch.isnan(old_logprobs), logprobs.detach(), old_logprobs)
+        ratio = torch.exp(torch.where(mask, logprobs - old, 0.0))
+        s1 = ratio * advantages
+        s2 = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
+        loss = -(torch.minimum(s1, s2) * mask).sum() / n
+        with torch.no_grad():
+            stats["clip_frac"] = ((s2 < s1) & mask).sum()
+            stats["ratio_sum"] = (ratio * mask).sum()
+    if entropy is not None:
+        ent = (entropy * mask).sum() / n
+        stats["entropy"] = ent.detach() * n
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent
+    stats["logprob_sum"] = (logprobs.detach() * mask).sum()
+    return loss, stats

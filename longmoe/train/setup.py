@@ -1,0 +1,106 @@
+"""Build the model for a layout: deterministic init, implementation choices, expert-parallel
+dispatchers, recompute wrappers, FSDP2. Plus the pieces of a step that depend on the layout:
+gradient sync without FSDP and a global gradient norm across differently-sharded parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from longmoe.model.moe import GroupedExperts
+from longmoe.model.transformer import MoETransformer
+from longmoe.ops.recompute import apply_recompute
+from longmoe.parallel.expert_parallel import ExpertDispatcher
+from longmoe.parallel.fsdp import apply_fsdp
+from longmoe.parallel.mesh import Layout
+from longmoe.train.config import RunConfig
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETransformer:
+    cfg, par = run.model, run.parallel
+    with torch.device(device):
+        model = MoETransformer(cfg, layout.ep_rank, layout.ep)
+    model.init_weights(run.train.seed)
+    model.head.impl = run.impl.linear_ce
+    for moe in model.moe_layers():
+        moe.experts.impl = run.impl.grouped_mm
+        moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks)
+        moe.batch_group = layout.batch_group
+    model.layers = nn.ModuleList(apply_recompute(b, par.recompute, run.impl.recompute)
+                                 for b in model.layers)
+    if par.fsdp and layout.dp_mesh is not None:
+        apply_fsdp(model, layout, torch_dtype(par.param_dtype), torch_dtype(par.reduce_dtype),
+                   par.reshard_after_forward)
+    return model
+
+
+def _expert_param_ids(model: nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, GroupedExperts)
+            for p in m.parameters()}
+
+
+def loss_scale(layout: Layout) -> float:
+    """Each rank's loss is its token sum over the *global* token count, so the global gradient is
+    the sum of the ranks' gradients. Gradient reduction averages (FSDP's default; gloo has no
+    scaled sum), so the trainer multiplies its loss by the world size."""
+    return float(layout.world)
+
+
+def finish_grads(model: nn.Module, layout: Layout, fsdp: bool):
+    """After backward: average replicated gradients when FSDP is off (as FSDP does), then undo
+    the extra factor experts carry. An expert's gradient already sums the ep ranks of its
+    all-to-all group, and the average runs over the world/ep ranks holding the same expert, so
+    after the world-size loss scale it is ep times too large."""
+    if layout.world == 1:
+        return
+    experts = _expert_param_ids(model)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        is_expert = id(p) in experts
+        if not fsdp:
+            group = layout.expert_mesh.get_group() if is_expert else layout.batch_group
+            n = dist.get_world_size(group)
+            if n > 1:
+                dist.all_reduce(p.grad, group=group)  # gloo has no AVG
+                p.grad.div_(n)
+        if is_expert and layout.ep > 1:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.div_(layout.ep)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout) -> float:
+    """Global L2 norm over every gradient element exactly once, whatever its sharding: DTensor
+    shards are disjoint across the world; replicated plain tensors are counted 1/copies."""
+    experts = _expert_param_ids(model)
+    sq = None
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grads.append(g)
+        copies = 1
+        if not isinstance(p.grad, DTensor):
+            copies = layout.world // layout.ep if id(p) in experts else layout.world
+        s = g.detach().float().pow(2).sum() / copies
+        sq = s if sq is None else sq + s
+    if sq is None:
+        return 0.0
+    if layout.world > 1:
+        dist.all_reduce(sq, group=layout.batch_group)
+    norm = float(sq.sqrt())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm

@@ -1,0 +1,138 @@
+"""The per-rank policy-update loop: build the layout and model, then for each step fetch this rank's
+batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from longmoe.backends import active_backend, get_backend
+from longmoe.backends.base import Backend
+from longmoe.parallel.mesh import build_layout
+from longmoe.train import checkpoint as ckpt
+from longmoe.train.config import RunConfig
+from longmoe.train.data import make_source
+from longmoe.train.loss import policy_loss
+from longmoe.train.progress import Progress
+from longmoe.train.setup import build_model, clip_grad_norm, finish_grads, loss_scale
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    metrics_out: str | None = None
+    checkpoint_dir: str | None = None
+    resume: bool = False
+
+
+def resolve_backend(device: str) -> Backend:
+    return active_backend() if device == "auto" else get_backend(device)
+
+
+def init_distributed(backend: Backend, rank: int, world: int, local_rank: int):
+    backend.apply_collective_env()
+    backend.set_device(local_rank)
+    dist.init_process_group(backend.dist_backend, rank=rank, world_size=world,
+                            device_id=backend.device(local_rank) if backend.device_type != "cpu"
+                            else None)
+
+
+def _sum(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.device) -> dict:
+    """Runs on every rank inside an initialised process group (or alone). Returns rank 0's summary."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    torch.manual_seed(run.train.seed + rank)
+    layout = build_layout(backend.device_type, run.parallel.ep)
+    model = build_model(run, layout, device)
+    o = run.optim
+    optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                              weight_decay=o.weight_decay, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
+    source = make_source(run.data, run.model.vocab_size, run.train.seed)
+    progress = Progress(rank == 0, run.train.steps, opts.metrics_out, backend.memory_label)
+    model_meta = asdict(run.model)
+    model_meta["layer_types"] = list(model_meta["layer_types"])
+
+    start = 0
+    if opts.resume and opts.checkpoint_dir:
+        path = ckpt.latest(opts.checkpoint_dir)
+        if path is not None:
+            ckpt.check_compatible(path, model_meta, layout.ep)
+            meta = ckpt.load(path, model, optim, layout.ep_rank, layout.ep)
+            start = meta["step"]
+            for _ in range(start):
+                sched.step()
+            progress.info(f"resumed from {path} at step {start}")
+        else:
+            progress.info(f"no checkpoint in {opts.checkpoint_dir}; starting fresh")
+    progress.info(f"longmoe: {world} rank(s) on {backend.name}, ep={layout.ep}, "
+                  f"fsdp={run.parallel.fsdp}, recompute={run.parallel.recompute}, "
+                  f"chunks={run.parallel.chunks}, linear_ce={run.impl.linear_ce}, "
+                  f"params {model_meta['num_layers']} layers")
+
+    for step in range(start, run.train.steps):
+        batch = source.batch(step, rank, world).to(device)
+        n_local = int((batch.labels != -100).sum())
+        global_tokens, = _sum([n_local], device)
+        backend.synchronize()
+        backend.reset_peak_memory()
+        t0 = time.perf_counter()
+
+        logprobs, entropy, aux = model(batch.input_ids, batch.labels, with_entropy=True)
+        loss, stats = policy_loss(run.loss, logprobs, entropy, batch.labels, batch.advantages,
+                                  batch.old_logprobs, global_tokens)
+        ((loss + aux) * loss_scale(layout)).backward()
+        finish_grads(model, layout, run.parallel.fsdp)
+        gnorm = clip_grad_norm(model, o.grad_clip, layout)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        sched.step()
+        for moe in model.moe_layers():
+            moe.router.update_expert_bias()
+        backend.synchronize()
+        dt = time.perf_counter() - t0
+
+        keys = ["entropy", "logprob_sum", "clip_frac"]
+        vals = _sum([float(loss.detach()), float(aux.detach()), batch.num_tokens]
+                    + [float(stats.get(k, 0.0)) for k in keys], device)
+        peak, = _sum([backend.peak_memory_bytes()], device, dist.ReduceOp.MAX)
+        slowest, = _sum([dt], device, dist.ReduceOp.MAX)
+        g = max(global_tokens, 1)
+        progress.step({
+            "step": step + 1, "loss": vals[0], "aux_loss": vals[1], "grad_norm": gnorm,
+            "tokens_per_s": vals[2] / slowest, "peak_mem_bytes": int(peak),
+            "step_time_s": slowest, "lr": sched.get_last_lr()[0], "entropy": vals[3] / g,
+            "mean_logprob": vals[4] / g, "clip_frac": vals[5] / g,
+            "trained_tokens": int(global_tokens), "tokens": int(vals[2])})
+
+        every = run.train.checkpoint_every
+        last = step + 1 == run.train.steps
+        if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
+            path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim, layout.ep_rank,
+                             layout.ep, {"model": model_meta})
+            progress.info(f"checkpoint: {path}")
+    return progress.summary({"world": world, "backend": backend.name})
+
+
+def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, port: int):
+    """Entry of a spawned rank (single node: rank == local_rank)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    backend = resolve_backend(run.train.device)
+    init_distributed(backend, local_rank, world, local_rank)
+    try:
+        train(run, opts, backend, backend.device(local_rank))
+    finally:
+        dist.destroy_process_group()
