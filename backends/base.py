@@ -78,6 +78,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def peak_memory_bytes(self) -> int: ...
 
+    def memory_allocated(self) -> int:
+        """Bytes the device allocator holds now (0 where there is no device allocator)."""
+        return 0
+
+    def get_rng_state(self):
+        """The device generator's state for checkpoints (None where the host RNG is all)."""
+        return None
+
+    def set_rng_state(self, state) -> None:
+        """Restore what get_rng_state returned."""
+
     @property
     @abc.abstractmethod
     def memory_label(self) -> str:

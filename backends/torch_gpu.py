@@ -37,6 +37,16 @@ class TorchGpuBackend(Backend):
     def peak_memory_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated())
 
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated())
+
+    def get_rng_state(self):
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state)
+
     @property
     def memory_label(self) -> str:
         return "device allocated"

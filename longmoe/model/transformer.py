@@ -13,7 +13,7 @@ from torch import nn
 
 from longmoe.config import ModelConfig
 from longmoe.model.layers import Attention, RMSNorm, rope_cos_sin
-from longmoe.model.moe import MoE, GroupedExperts
+from longmoe.model.moe import GroupedExperts, MoE
 from longmoe.ops.linear_ce import linear_logprobs
 
 
@@ -40,10 +40,11 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.impl = "auto"
+        self.chunk_tokens: int | None = None  # None: sized from the linear-CE byte budget
 
     def forward(self, x_BSH, labels_BS, with_entropy: bool = False):
-        return linear_logprobs(self.norm(x_BSH), self.weight, labels_BS,
-                               with_entropy=with_entropy, impl=self.impl)
+        return linear_logprobs(self.norm(x_BSH), self.weight, labels_BS, with_entropy=with_entropy,
+                               impl=self.impl, chunk_tokens=self.chunk_tokens)
 
 
 class MoETransformer(nn.Module):
@@ -73,25 +74,29 @@ class MoETransformer(nn.Module):
         logprobs, entropy = self.head(x_BSH, labels_BS, with_entropy)
         return logprobs, entropy, aux
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0):
-        """Deterministic init independent of layout: each parameter draws from a generator seeded
-        by (seed, its name); expert stacks are drawn at full [E, ...] size and sliced, so a rank
-        holding experts [a, b) gets exactly the rows a one-rank model holds there."""
-        std = self.cfg.init_std
-        for name, p in self.named_parameters():
-            name = name.replace("block.", "")  # recompute wrappers do not change identity
-            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            if isinstance(owner, RMSNorm):
-                owner.reset_parameters()
-                continue
-            gen = torch.Generator(device=p.device).manual_seed(
-                seed * 1_000_003 + zlib.crc32(name.encode()))
-            if isinstance(owner, GroupedExperts):
-                full = (self.cfg.num_experts,) + tuple(p.shape[1:])
-                w = torch.empty(full, device=p.device, dtype=p.dtype).normal_(0, std, generator=gen)
-                p.copy_(w[owner.first_expert:owner.first_expert + owner.num_local])
-            else:
-                p.normal_(0, std, generator=gen)
-        for moe in self.moe_layers():
-            moe.router.expert_bias.zero_()
+        init_params(self, self.cfg, seed)
+
+
+@torch.no_grad()
+def init_params(root: nn.Module, cfg: ModelConfig, seed: int = 0):
+    """Deterministic init independent of layout: each parameter draws from a generator seeded by
+    (seed, its name); expert stacks are drawn at full [E, ...] size and sliced, so a rank holding
+    experts [a, b) gets exactly the rows a one-rank model holds there. Recompute wrappers
+    ("block.") do not change a parameter's identity."""
+    for name, p in root.named_parameters():
+        owner = root.get_submodule(name.rsplit(".", 1)[0]) if "." in name else root
+        if isinstance(owner, RMSNorm):
+            owner.reset_parameters()
+            continue
+        key = name.replace("block.", "")
+        gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        if isinstance(owner, GroupedExperts):
+            full = (cfg.num_experts,) + tuple(p.shape[1:])
+            w = torch.empty(full, device=p.device, dtype=p.dtype).normal_(0, cfg.init_std, generator=gen)
+            p.copy_(w[owner.first_expert:owner.first_expert + owner.num_local])
+        else:
+            p.normal_(0, cfg.init_std, generator=gen)
+    for m in root.modules():
+        if isinstance(m, MoE):
+            m.router.expert_bias.zero_()

@@ -44,8 +44,11 @@ def _loop(x_MK, w_GKN, sizes, offs=None):
         if n:
             outs.append(x_MK[s:s + n] @ w_GKN[g])
         s += n
-    if not outs:  # keep the graph connected so every expert still gets a (zero) gradient
-        return x_MK.new_zeros(0, w_GKN.shape[2]) + 0 * w_GKN.sum()
+    if not outs:
+        # Zero rows: still return something computed *from x*, so autograd runs the backward
+        # collectives upstream of it (an expert-parallel rank that received no tokens must
+        # still join the backward all-to-all its peers run).
+        return x_MK @ w_GKN[0]
     return torch.cat(outs)
 
 

@@ -53,7 +53,8 @@ def _state(model, optim, ep_rank: int, ep: int) -> dict:
     return {"model": msd, "optim": osd}
 
 
-def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, meta: dict):
+def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, meta: dict,
+         backend):
     root = Path(ckpt_dir)
     final = root / f"step-{step:08d}"
     nonce = [uuid.uuid4().hex[:8]]
@@ -67,8 +68,7 @@ def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, m
         tmp.mkdir()
     _barrier()
     dcp.save(_state(model, optim, ep_rank, ep), checkpoint_id=str(tmp))
-    torch.save({"cpu": torch.get_rng_state(),
-                "device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+    torch.save({"cpu": torch.get_rng_state(), "device": backend.get_rng_state()},
                tmp / f"rng-rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -105,7 +105,7 @@ def check_compatible(path: Path, model_cfg: dict, ep: int):
     return meta
 
 
-def load(path: Path, model, optim, ep_rank: int, ep: int) -> dict:
+def load(path: Path, model, optim, ep_rank: int, ep: int, backend) -> dict:
     state = _state(model, optim, ep_rank, ep)
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, {_untag(k): v for k, v in state["model"].items()})
@@ -114,6 +114,5 @@ def load(path: Path, model, optim, ep_rank: int, ep: int) -> dict:
     set_optimizer_state_dict(model, optim, osd)
     rng = torch.load(path / f"rng-rank{_rank()}.pt", weights_only=False)
     torch.set_rng_state(rng["cpu"])
-    if rng["device"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["device"])
+    backend.set_rng_state(rng["device"])
     return json.loads((path / "meta.json").read_text())

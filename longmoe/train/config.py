@@ -47,6 +47,11 @@ class ImplConfig:
     linear_ce: str = "auto"
     grouped_mm: str = "auto"
     recompute: str = "auto"
+    ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
+
+    def __post_init__(self):
+        if self.ce_chunk_tokens < 0:
+            raise ConfigError("impl.ce_chunk_tokens", f"must be >= 0, got {self.ce_chunk_tokens}")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         model = MoETransformer(cfg, layout.ep_rank, layout.ep)
     model.init_weights(run.train.seed)
     model.head.impl = run.impl.linear_ce
+    model.head.chunk_tokens = run.impl.ce_chunk_tokens or None
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks)

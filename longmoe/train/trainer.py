@@ -17,9 +17,9 @@ from longmoe.parallel.mesh import build_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
 from longmoe.train.data import make_source
-from longmoe.train.loss import policy_loss
 from longmoe.train.progress import Progress
-from longmoe.train.setup import build_model, clip_grad_norm, finish_grads, loss_scale
+from longmoe.train.setup import build_model, clip_grad_norm
+from longmoe.train.step import forward_backward, global_token_count
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         path = ckpt.latest(opts.checkpoint_dir)
         if path is not None:
             ckpt.check_compatible(path, model_meta, layout.ep)
-            meta = ckpt.load(path, model, optim, layout.ep_rank, layout.ep)
+            meta = ckpt.load(path, model, optim, layout.ep_rank, layout.ep, backend)
             start = meta["step"]
             for _ in range(start):
                 sched.step()
@@ -84,17 +84,12 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
 
     for step in range(start, run.train.steps):
         batch = source.batch(step, rank, world).to(device)
-        n_local = int((batch.labels != -100).sum())
-        global_tokens, = _sum([n_local], device)
+        global_tokens = global_token_count(batch, layout)
         backend.synchronize()
         backend.reset_peak_memory()
         t0 = time.perf_counter()
 
-        logprobs, entropy, aux = model(batch.input_ids, batch.labels, with_entropy=True)
-        loss, stats = policy_loss(run.loss, logprobs, entropy, batch.labels, batch.advantages,
-                                  batch.old_logprobs, global_tokens)
-        ((loss + aux) * loss_scale(layout)).backward()
-        finish_grads(model, layout, run.parallel.fsdp)
+        loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens)
         gnorm = clip_grad_norm(model, o.grad_clip, layout)
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -105,7 +100,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         dt = time.perf_counter() - t0
 
         keys = ["entropy", "logprob_sum", "clip_frac"]
-        vals = _sum([float(loss.detach()), float(aux.detach()), batch.num_tokens]
+        vals = _sum([float(loss), float(aux), batch.num_tokens]
                     + [float(stats.get(k, 0.0)) for k in keys], device)
         peak, = _sum([backend.peak_memory_bytes()], device, dist.ReduceOp.MAX)
         slowest, = _sum([dt], device, dist.ReduceOp.MAX)
@@ -121,7 +116,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         last = step + 1 == run.train.steps
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
             path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim, layout.ep_rank,
-                             layout.ep, {"model": model_meta})
+                             layout.ep, {"model": model_meta}, backend)
             progress.info(f"checkpoint: {path}")
     return progress.summary({"world": world, "backend": backend.name})
 

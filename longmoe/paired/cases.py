@@ -1,0 +1,125 @@
+"""Single-process paired cases: linear cross-entropy, grouped GEMM, recompute.
+
+Each case draws fresh random inputs (never zeros) from `seed`, runs the candidate and the
+reference on the same inputs, and records relative errors of outputs and gradients, peak tensor
+memory and median time. Legend: T tokens, H hidden, V vocab, G groups, K/N GEMM dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longmoe.backends import active_backend
+from longmoe.config import get_preset
+from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm
+from longmoe.ops.linear_ce import LINEAR_CE, linear_cross_entropy, linear_logprobs
+from longmoe.ops.recompute import apply_recompute
+from longmoe.paired.harness import TOLERANCE, PairedResult
+from longmoe.paired.memtrack import measure
+
+
+def _ref_dtype(dtype):
+    # fp32 candidates are checked against fp64; low precision against fp32 of the same inputs.
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def linear_ce_case(impl="auto", seed=0, T=47, H=31, V=123, dtype=torch.float32, chunk_tokens=8,
+                   device=None) -> PairedResult:
+    backend = active_backend()
+    device = device or backend.device(0)
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(T, H, generator=g) * 0.5).to(device)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(device)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[torch.randperm(T, generator=g)[: max(1, T // 7)]] = -100  # some ignored tokens
+    y = y.to(device)
+    c_lp = torch.randn(T, generator=g).to(device)
+    c_ent = torch.randn(T, generator=g).to(device)
+    name = LINEAR_CE.select(impl, h, w, y).name
+
+    def run(which, dt):
+        hh = h.to(dt).requires_grad_()
+        ww = w.to(dt).requires_grad_()
+        lp, ent = linear_logprobs(hh, ww, y, with_entropy=True, impl=which, chunk_tokens=chunk_tokens)
+        ce = linear_cross_entropy(hh, ww, y, impl=which, chunk_tokens=chunk_tokens)
+        obj = (lp * c_lp.to(lp.dtype)).sum() + (ent * c_ent.to(ent.dtype)).sum() + ce
+        dh, dw = torch.autograd.grad(obj, [hh, ww])
+        return lp, ent, ce, dh, dw
+
+    res = PairedResult("linear_ce", name, "naive", TOLERANCE[dtype],
+                       info={"T": T, "H": H, "V": V, "dtype": str(dtype), "seed": seed})
+    cand = run(name, dtype)
+    ref = run("naive", _ref_dtype(dtype))
+    for k, a, b in zip(("logprobs", "entropy", "ce_loss", "dH", "dW"), cand, ref):
+        res.add(k, a, b)
+    # Memory and time at the candidate dtype for both: the naive path holds [T, V] logits.
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("naive", dtype), backend, 3)
+    res.info["logits_bytes"] = T * V * 4
+    return res
+
+
+def grouped_mm_case(impl="auto", seed=0, sizes=(5, 0, 17, 1, 9), K=32, N=48,
+                    dtype=torch.float32, device=None) -> PairedResult:
+    backend = active_backend()
+    device = device or backend.device(0)
+    g = torch.Generator().manual_seed(seed)
+    M, G = sum(sizes), len(sizes)
+    x = torch.randn(M, K, generator=g).to(device)
+    w = (torch.randn(G, K, N, generator=g) / K ** 0.5).to(device)
+    c = torch.randn(M, N, generator=g).to(device)
+    name = GROUPED_MM.select(impl, x.to(dtype), w.to(dtype), list(sizes)).name
+
+    def run(which, dt):
+        xx, ww = x.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+        out = grouped_mm(xx, ww, list(sizes), impl=which)
+        dx, dw = torch.autograd.grad((out * c.to(dt)).sum(), [xx, ww])
+        return out, dx, dw
+
+    res = PairedResult("grouped_mm", name, "loop", TOLERANCE[dtype],
+                       info={"sizes": list(sizes), "K": K, "N": N, "dtype": str(dtype)})
+    for k, a, b in zip(("out", "dX", "dW"), run(name, dtype), run("loop", _ref_dtype(dtype))):
+        res.add(k, a, b)
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("loop", dtype), backend, 3)
+    return res
+
+
+def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None) -> PairedResult:
+    """A stack of tiny-preset blocks, full recompute vs stored activations: identical math, so
+    the tolerance is fp32 round-off; the memory column shows what recompute frees."""
+    from longmoe.model.transformer import MoETransformer
+    backend = active_backend()
+    device = device or backend.device(0)
+    cfg = get_preset("tiny").replace(num_layers=3, router_aux_loss_coef=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+
+    def build(policy):
+        with torch.device(device):
+            m = MoETransformer(cfg)
+        m.init_weights(seed)
+        m.layers = torch.nn.ModuleList(apply_recompute(b, policy, impl) for b in m.layers)
+        return m
+
+    models = {"full": build("full"), "none": build("none")}
+
+    def run(policy):
+        m = models[policy]
+        m.zero_grad(set_to_none=True)
+        lp, _, aux = m(ids, labels)
+        loss = -lp.mean() + aux
+        loss.backward()
+        return loss.detach(), {n.replace("block.", ""): p.grad.clone()
+                               for n, p in m.named_parameters()}
+
+    res = PairedResult("recompute", "checkpoint" if impl == "auto" else impl, "none",
+                       TOLERANCE[torch.float32], info={"layers": cfg.num_layers, "tokens": batch * seq})
+    (lc, gc), (lr, gr) = run("full"), run("none")
+    res.add("loss", lc, lr)
+    for n in gr:
+        res.add(f"grad:{n}", gc[n], gr[n])
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run("full"), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("none"), backend, 3)
+    return res

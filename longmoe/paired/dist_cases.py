@@ -1,0 +1,170 @@
+"""Distributed paired cases on real process groups (gloo on CPU):
+
+  ep    one MoE layer with experts split over N ranks (chunked dispatch) against the same layer
+        with all experts in one process, on the concatenated tokens: outputs, input gradients,
+        router, expert and shared-expert gradients, the balance loss.
+  step  one training step of the model with a candidate layout (EP, FSDP2, recompute, linear CE,
+        chunks) on N ranks against world size 1 with every primitive off, on the same global
+        batch: loss and every parameter gradient.
+
+Legend: T tokens per rank, H hidden, W world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from longmoe.config import ModelConfig, from_dict as model_from_dict, get_preset
+from longmoe.model.moe import GroupedExperts, MoE
+from longmoe.model.transformer import init_params
+from longmoe.paired.harness import TOLERANCE, PairedResult
+from longmoe.paired.spawn import run_ranks
+from longmoe.parallel.expert_parallel import ExpertDispatcher
+
+# ---- ep: one MoE layer ---------------------------------------------------------------------
+
+
+def _layer_inputs(cfg: ModelConfig, seed: int, rank: int, T: int, skew: bool):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(1, T, cfg.hidden_size, generator=g)
+    c = torch.randn(1, T, cfg.hidden_size, generator=g)
+    if skew:  # every token shares a direction the first top_k experts' router rows point along
+        u = torch.Generator().manual_seed(seed)
+        x = x + 4.0 * torch.randn(cfg.hidden_size, generator=u)
+    return x, c
+
+
+def _skew_router(moe: MoE, cfg: ModelConfig, seed: int):
+    u = torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        moe.router.weight[: cfg.top_k] += 2.0 * u / u.norm()
+
+
+def _run_layer(moe: MoE, x, c):
+    x = x.clone().requires_grad_()
+    y, aux = moe(x)
+    ((y * c).sum() + aux).backward()
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None}
+    return {"y": y.detach(), "dx": x.grad, "aux": aux.detach(), "grads": grads}
+
+
+def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew):
+    cfg = model_from_dict(cfg_dict)
+    moe = MoE(cfg, ep_rank=rank, ep_size=world)
+    init_params(moe, cfg, seed)
+    if skew:
+        _skew_router(moe, cfg, seed)
+    moe.dispatcher = ExpertDispatcher(cfg.num_experts, dist.group.WORLD, chunks)
+    moe.batch_group = dist.group.WORLD
+    x, c = _layer_inputs(cfg, seed, rank, T, skew)
+    return _run_layer(moe, x, c)
+
+
+def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8) -> PairedResult:
+    cfg = get_preset("tiny").replace(top_k=top_k, num_experts=num_experts, router_aux_loss_coef=1e-2)
+    ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew)
+    ref_moe = MoE(cfg)
+    init_params(ref_moe, cfg, seed)
+    if skew:
+        _skew_router(ref_moe, cfg, seed)
+    inputs = [_layer_inputs(cfg, seed, r, T, skew) for r in range(nproc)]
+    ref = _run_layer(ref_moe, torch.cat([x for x, _ in inputs], 1), torch.cat([c for _, c in inputs], 1))
+    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}", "one-process", TOLERANCE[torch.float32],
+                       info={"T_per_rank": T, "top_k": top_k, "skew": skew, "experts": num_experts})
+    res.add("output", torch.cat([r["y"] for r in ranks], 1), ref["y"])
+    res.add("dX", torch.cat([r["dx"] for r in ranks], 1), ref["dx"])
+    res.add("aux_loss", sum(r["aux"] for r in ranks), ref["aux"])
+    for name, g_ref in ref["grads"].items():
+        if ".experts." in name or name.startswith("experts."):
+            cand = torch.cat([r["grads"][name] for r in ranks])
+        else:
+            cand = sum(r["grads"][name] for r in ranks)
+        res.add(f"grad:{name}", cand, g_ref)
+    res.info["tokens_per_expert"] = ref_moe.router.last_load.tolist()
+    return res
+
+
+# ---- step: the whole model, one training step ---------------------------------------------
+
+
+def _grads_by_name(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out[name.replace("block.", "")] = g.detach().clone()
+    return out
+
+
+def _step(run, layout, device, seed, world, rank):
+    from longmoe.train.data import Batch, SyntheticSource
+    from longmoe.train.setup import build_model
+    from longmoe.train.step import forward_backward, global_token_count
+    model = build_model(run, layout, device)
+    source = SyntheticSource(run.data, run.model.vocab_size, seed)
+    if layout.world == 1 and world > 1:  # the reference sees every rank's batch at once
+        batch = Batch.cat([source.batch(0, r, world) for r in range(world)])
+    else:
+        batch = source.batch(0, rank, world)
+    batch = batch.to(device)
+    loss, aux, _ = forward_backward(model, batch, run, layout, global_token_count(batch, layout))
+    return {"loss": float(loss), "aux": float(aux), "grads": _grads_by_name(model),
+            "expert_names": [n.replace("block.", "") + "." + pn
+                             for n, m in model.named_modules() if isinstance(m, GroupedExperts)
+                             for pn, _ in m.named_parameters()]}
+
+
+def _step_rank(rank, world, backend, run_dict, seed):
+    from longmoe.parallel.mesh import build_layout
+    from longmoe.train.config import from_dict
+    run = from_dict(run_dict)
+    layout = build_layout(backend.device_type, run.parallel.ep)
+    out = _step(run, layout, backend.device(rank), seed, world, rank)
+    out["ep_rank"], out["ep"] = layout.ep_rank, layout.ep
+    return out
+
+
+def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
+                  num_layers=2, seq_len=48, batch_size=4) -> dict:
+    return {"model": {"preset": "tiny", "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
+            "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp},
+            "impl": {"linear_ce": linear_ce, "ce_chunk_tokens": 40 if linear_ce == "chunked" else 0},
+            "data": {"batch_size": batch_size, "seq_len": seq_len, "prompt_len": 12, "group_size": 2}}
+
+
+def reference_run(cand: dict) -> dict:
+    ref = {k: dict(v) for k, v in cand.items()}
+    ref["parallel"] = {"ep": 1, "chunks": 1, "recompute": "none", "fsdp": False}
+    ref["impl"] = {"linear_ce": "naive", "grouped_mm": "loop"}
+    return ref
+
+
+def step_case(nproc=2, seed=0, **cand_kw) -> PairedResult:
+    from longmoe.backends import get_backend
+    from longmoe.parallel.mesh import Layout
+    from longmoe.train.config import from_dict
+    cand = candidate_run(**cand_kw)
+    ranks = run_ranks(_step_rank, nproc, cand, seed)
+    ref = _step(from_dict(reference_run(cand)), Layout(1, 0, 1, None, None, None),
+                get_backend("cpu").device(0), seed, nproc, 0)
+    p = cand["parallel"]
+    res = PairedResult("step", f"w{nproc} ep{p['ep']} fsdp={p['fsdp']} recompute={p['recompute']} "
+                       f"chunks={p['chunks']} ce={cand['impl']['linear_ce']}",
+                       "w1, every primitive off", TOLERANCE[torch.float32], info={"seed": seed})
+    res.add("loss", torch.tensor(sum(r["loss"] for r in ranks)), torch.tensor(ref["loss"]))
+    res.add("aux_loss", torch.tensor(sum(r["aux"] for r in ranks)), torch.tensor(ref["aux"]))
+    experts = set(ranks[0]["expert_names"])
+    ep = ranks[0]["ep"]
+    for name, g_ref in ref["grads"].items():
+        if name in experts and ep > 1:
+            cand_g = torch.cat([ranks[r]["grads"][name] for r in range(ep)])  # ranks 0..ep-1
+        else:
+            cand_g = ranks[0]["grads"][name]
+        res.add(f"grad:{name}", cand_g, g_ref)
+    res.info["loss"] = ref["loss"]
+    return res

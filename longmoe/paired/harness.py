@@ -1,0 +1,55 @@
+"""The paired-test record: a candidate against its reference on the same fresh inputs.
+
+Differences are relative to the reference's largest magnitude (max |a - b| / max |b|), so one
+tolerance per dtype works across tensors of different scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# Relative tolerances by candidate compute dtype. fp32 candidates are checked against fp64 (CPU)
+# references; bf16/fp16 against fp32 references of the same inputs.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().to(torch.float64).cpu(), b.detach().to(torch.float64).cpu()
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
+    if b.numel() == 0:
+        return 0.0
+    scale = b.abs().max().clamp(min=1e-12)
+    return float((a - b).abs().max() / scale)
+
+
+@dataclass
+class PairedResult:
+    primitive: str
+    candidate: str
+    reference: str
+    tolerance: float
+    errors: dict[str, float] = field(default_factory=dict)   # name -> relative error
+    peak_bytes: dict[str, int] = field(default_factory=dict)  # candidate / reference
+    time_ms: dict[str, float] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors.values(), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.tolerance
+
+    def add(self, name: str, cand: torch.Tensor, ref: torch.Tensor):
+        self.errors[name] = rel_err(cand, ref)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "max_error": self.max_error, "ok": self.ok}
+
+    def failures(self) -> list[str]:
+        return [f"{k}: {v:.3e} > {self.tolerance:.1e}" for k, v in self.errors.items()
+                if v > self.tolerance]
