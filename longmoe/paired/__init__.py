@@ -1,0 +1,1 @@
+"""Candidate-vs-reference harness shared by `longmoe paired` and the test suite."""
