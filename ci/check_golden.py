@@ -137,7 +137,8 @@ def write_golden(rows: dict[int, dict], path: str, a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("metrics", help="JSONL from `longmoe train --metrics-out`")
     p.add_argument("golden", help="golden JSON, e.g. ci/golden/cuda_gpu_smoke.json")
     p.add_argument("--write-golden", action="store_true",

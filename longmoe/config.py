@@ -70,8 +70,9 @@ class ModelConfig:
                               f"rotates {self.rotary_dim} dims of head_dim={self.head_dim}; must be even")
         if self.shared_expert_ffn_size < 0:
             raise ConfigError("model.shared_expert_ffn_size", "must be >= 0")
-        if self.router_aux_loss_coef < 0 or self.expert_bias_rate < 0:
-            raise ConfigError("model.router_aux_loss_coef", "coefficients must be >= 0")
+        for name in ("router_aux_loss_coef", "expert_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}", "must be >= 0")
 
     @property
     def rotary_dim(self) -> int:
@@ -179,14 +180,17 @@ def from_hf_config(path: str | Path, num_layers: int | None = None) -> ModelConf
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     theta = text.get("rope_theta", rope.get("rope_theta", 10000.0))
     prf = text.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    n_layers = int(text["num_hidden_layers"])
+    try:
+        n_layers = int(text["num_hidden_layers"])
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+    except KeyError as e:
+        raise ConfigError("model.hf_config", f"{path}: missing key {e.args[0]!r}") from None
     layer_types = tuple(text.get("layer_types") or ())
     if not layer_types and text.get("full_attention_interval"):
         k = int(text["full_attention_interval"])
         layer_types = tuple("full_attention" if (i + 1) % k == 0 else "linear_attention"
                             for i in range(n_layers))
-    hidden = int(text["hidden_size"])
-    heads = int(text["num_attention_heads"])
     try:
         cfg = dict(
             vocab_size=int(text["vocab_size"]), hidden_size=hidden, num_layers=n_layers,

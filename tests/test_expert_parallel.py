@@ -1,0 +1,53 @@
+"""Chunked expert parallelism on real gloo ranks against one process holding every expert."""
+
+import random
+
+import pytest
+import torch
+
+from longmoe.paired.dist_cases import ep_case
+from longmoe.parallel.expert_parallel import chunk_bounds, source_major_to_expert_major
+
+
+@pytest.mark.parametrize("nproc,T,chunks,top_k,skew", [
+    (2, 37, 3, 2, False),   # chunk count that does not divide the tokens
+    (2, 29, 1, 1, True),    # top-1, one expert takes every token, others get none
+    (4, 11, 2, 2, True),    # 4 ranks; two ranks' experts receive nothing
+    (4, 9, 9, 3, False),    # one token per chunk
+])
+def test_ep_matches_one_process(nproc, T, chunks, top_k, skew):
+    seed = random.randrange(2**31)
+    res = ep_case(nproc, seed, T=T, chunks=chunks, top_k=top_k, skew=skew)
+    assert res.ok, (seed, res.failures())
+    if skew:
+        load = res.info["tokens_per_expert"]
+        assert sum(1 for n in load if n == 0) >= 8 - 2 * top_k  # experts with zero tokens happened
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(5, 5) == [(i, i + 1) for i in range(5)]
+    with pytest.raises(ValueError, match="chunks=6 exceeds"):
+        chunk_bounds(5, 6)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        chunk_bounds(5, 0)
+
+
+def test_source_to_expert_order():
+    # 2 sources x 3 local experts; received rows are [src0: e0 e0 e2][src1: e1 e2 e2].
+    recv_SL = torch.tensor([[2, 0, 1], [0, 1, 2]])
+    rows = ["s0e0", "s0e0", "s0e2", "s1e1", "s1e2", "s1e2"]
+    perm = source_major_to_expert_major(recv_SL, len(rows))
+    assert [rows[i] for i in perm.tolist()] == ["s0e0", "s0e0", "s1e1", "s0e2", "s1e2", "s1e2"]
+
+
+@pytest.mark.parametrize("world,ep,experts,field", [
+    (3, 2, 8, "world size 3 is not divisible by ep=2"),
+    (16, 16, 8, "ep=16 exceeds model.num_experts=8"),
+    (6, 3, 8, "ep=3 does not divide model.num_experts=8"),
+])
+def test_layout_errors_name_the_value(world, ep, experts, field):
+    from longmoe.errors import ConfigError
+    from longmoe.parallel.mesh import validate_layout
+    with pytest.raises(ConfigError, match=field):
+        validate_layout(world, ep, experts)
