@@ -219,7 +219,7 @@ def test_router_topk(gen, norm):
     x = randn(gen, 11, cfg.hidden_size, dtype=torch.float32)
     idx, w, probs = r(x)
     probs64 = torch.softmax(x.double() @ r.weight.double().T, dim=-1)
-    torch.testing.assert_close(probs.double(), probs64, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probs.double(), probs64, atol=1e-6, rtol=1e-5)  # fp32 input
     assert idx.shape == w.shape == (11, cfg.top_k)
     ref_idx = torch.topk(probs64, cfg.top_k, dim=-1).indices
     assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values)
@@ -229,7 +229,7 @@ def test_router_topk(gen, norm):
         torch.testing.assert_close(w, sel / sel.sum(-1, keepdim=True))
     else:
         torch.testing.assert_close(w, sel, atol=0, rtol=0)
-        assert (w.sum(-1) < 1 - 1e-3).all()
+        assert (w.sum(-1) < 1 - 1e-3).any()
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -285,7 +285,8 @@ def test_balance_loss_by_hand(gen):
     moe, cfg = _moe(gen)
     x = randn(gen, 3, 7, cfg.hidden_size)
     _, aux = moe(x)
-    idx, _, probs = moe.router(x.reshape(-1, cfg.hidden_size))
+    with torch.no_grad():
+        idx, _, probs = moe.router(x.reshape(-1, cfg.hidden_size))
     T, E, K = idx.shape[0], cfg.num_experts, cfg.top_k
     counts = [0] * E
     for t in range(T):
@@ -298,7 +299,7 @@ def test_balance_loss_by_hand(gen):
         P_i = sum(float(probs[t, i]) for t in range(T)) / T
         ref += f_i * P_i
     ref *= cfg.router_aux_loss_coef * E
-    assert math.isclose(float(aux), ref, rel_tol=1e-6), (float(aux), ref, gen.initial_seed())
+    assert math.isclose(float(aux), ref, rel_tol=1e-12), (float(aux), ref, gen.initial_seed())
     # Uniform routing would give exactly coef; random routing must give at least about that.
     assert float(aux) > 0
     off, _ = _moe(gen, router_aux_loss_coef=0.0)
@@ -345,8 +346,7 @@ def test_moe_matches_dense_reference(gen, kw):
     ref, ref_idx = _moe_reference(moe, cfg, x.reshape(-1, cfg.hidden_size))
     idx, _, _ = moe.router(x.reshape(-1, cfg.hidden_size))
     assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values), gen.initial_seed()
-    # The router scores in fp32 by design, so the combine weights carry fp32 rounding.
-    torch.testing.assert_close(y.reshape(-1, cfg.hidden_size), ref, atol=1e-5, rtol=1e-5,
+    torch.testing.assert_close(y.reshape(-1, cfg.hidden_size), ref, atol=1e-10, rtol=1e-10,
                                msg=f"seed {gen.initial_seed()}")
 
 

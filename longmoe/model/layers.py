@@ -19,10 +19,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in fp32: bf16 mean-of-squares loses ~3 digits at H=2048.
-        xf = x.float()
+        # Normalise in fp32: bf16 mean-of-squares loses ~3 digits at H=2048. fp64 stays fp64
+        # (high-precision references).
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
+        w = self.weight.to(xf.dtype) + 1.0 if self.unit_offset else self.weight.to(xf.dtype)
         return (y * w).to(x.dtype)
 
     def reset_parameters(self):

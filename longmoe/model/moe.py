@@ -27,7 +27,8 @@ class Router(nn.Module):
         self.register_buffer("last_load", torch.zeros(cfg.num_experts), persistent=False)
 
     def forward(self, x_TH):
-        probs_TE = torch.softmax(F.linear(x_TH.float(), self.weight.float()), dim=-1)
+        acc = torch.promote_types(x_TH.dtype, torch.float32)  # fp32 scores; fp64 stays fp64
+        probs_TE = torch.softmax(F.linear(x_TH.to(acc), self.weight.to(acc)), dim=-1)
         scores = probs_TE + self.expert_bias if self.cfg.expert_bias_rate > 0 else probs_TE
         idx_TK = torch.topk(scores, self.cfg.top_k, dim=-1).indices
         w_TK = probs_TE.gather(1, idx_TK)
