@@ -26,3 +26,13 @@ def test_world4_ep2_fsdp2_matches_world1():
     res = step_case(4, seed, ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
                     batch_size=2)
     assert res.ok, (seed, res.failures())
+
+
+@pytest.mark.needs_multi_gpu
+def test_world2_step_matches_world1_on_gpus():
+    # The same check over NCCL/RCCL, one rank per GPU, fp32 compute.
+    from longmoe.backends import active_backend
+    seed = random.randrange(2**31)
+    res = step_case(2, seed, device=active_backend().name, ep=2, chunks=2, recompute="full",
+                    fsdp=True, linear_ce="chunked")
+    assert res.ok, (seed, res.failures())

@@ -97,7 +97,7 @@ def _grads_by_name(model) -> dict[str, torch.Tensor]:
         if p.grad is None:
             continue
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        out[name.replace("block.", "")] = g.detach().clone()
+        out[name.replace("block.", "")] = g.detach().cpu().clone()
     return out
 
 
@@ -144,14 +144,15 @@ def reference_run(cand: dict) -> dict:
     return ref
 
 
-def step_case(nproc=2, seed=0, **cand_kw) -> PairedResult:
+def step_case(nproc=2, seed=0, device="cpu", **cand_kw) -> PairedResult:
+    """`device` names a backend: "cpu" runs gloo ranks, a GPU backend one rank per GPU."""
     from longmoe.backends import get_backend
     from longmoe.parallel.mesh import Layout
     from longmoe.train.config import from_dict
     cand = candidate_run(**cand_kw)
-    ranks = run_ranks(_step_rank, nproc, cand, seed)
+    ranks = run_ranks(_step_rank, nproc, cand, seed, device=device)
     ref = _step(from_dict(reference_run(cand)), Layout(1, 0, 1, None, None, None),
-                get_backend("cpu").device(0), seed, nproc, 0)
+                get_backend(device).device(0), seed, nproc, 0)
     p = cand["parallel"]
     res = PairedResult("step", f"w{nproc} ep{p['ep']} fsdp={p['fsdp']} recompute={p['recompute']} "
                        f"chunks={p['chunks']} ce={cand['impl']['linear_ce']}",
