@@ -63,8 +63,11 @@ def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, m
     tmp = root / f"step-{step:08d}.tmp-{nonce[0]}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("*.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob("*.tmp-*"):  # step dirs, and latest.tmp-* files
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
         tmp.mkdir()
     _barrier()
     dcp.save(_state(model, optim, ep_rank, ep), checkpoint_id=str(tmp))

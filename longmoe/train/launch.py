@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import asdict
 
 import torch.multiprocessing as mp
 
 from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
+from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
 from longmoe.train.data import read_jsonl
 from longmoe.train.trainer import RunOptions, rank_main, resolve_backend, init_distributed, train
@@ -39,6 +41,19 @@ def validate(run: RunConfig, nproc: int):
     return backend
 
 
+def check_resume(run: RunConfig, opts: RunOptions):
+    """An incomplete or incompatible checkpoint is bad input too: name it before any rank starts
+    (the ranks repeat the check; without this a rank dies and the user reads its traceback's tail).
+    Validated layouts keep ep == run.parallel.ep, the value the ranks' check compares."""
+    if not (opts.resume and opts.checkpoint_dir):
+        return
+    path = ckpt.latest(opts.checkpoint_dir)
+    if path is not None:
+        model_meta = asdict(run.model)
+        model_meta["layer_types"] = list(model_meta["layer_types"])  # as JSON gives it back
+        ckpt.check_compatible(path, model_meta, run.parallel.ep)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,6 +64,7 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         world = int(os.environ["WORLD_SIZE"])
         backend = validate(run, world)
+        check_resume(run, opts)
         local = int(os.environ.get("LOCAL_RANK", 0))
         init_distributed(backend, int(os.environ["RANK"]), world, local)
         import torch.distributed as dist
@@ -58,6 +74,7 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
             dist.destroy_process_group()
         return 0
     validate(run, nproc)
+    check_resume(run, opts)
     if opts.metrics_out and os.path.exists(opts.metrics_out) and not opts.resume:
         os.remove(opts.metrics_out)
     port = _free_port()
