@@ -81,7 +81,7 @@ class TorchGpuBackend(Backend):
             out["device_count"] = int(torch.cuda.device_count())
         except Exception as e:  # a broken driver install raises here rather than returning 0
             errors.append(f"device_count: {error_line(e)}")
-        if out["device_count"] > 0:
+        if out["device_count"] > 0 and self.is_available():  # a device of another vendor is not ours
             try:
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 out["arch"] = self._arch_from_props(props)

@@ -255,7 +255,7 @@ def test_apply_collective_env_keeps_user_values(monkeypatch):
 def test_doctor_json_and_tables(capsys):
     assert run_doctor(as_json=True) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert report["backend"] == backends.active_backend().name
     assert isinstance(report["missing"], list) and "collective_env" in report
     assert run_doctor() == 0 and "longmoe doctor" in capsys.readouterr().out

@@ -284,7 +284,8 @@ def _moe(gen, **kw):
 def test_balance_loss_by_hand(gen):
     moe, cfg = _moe(gen)
     x = randn(gen, 3, 7, cfg.hidden_size)
-    _, aux = moe(x)
+    with torch.no_grad():
+        _, aux = moe(x)
     with torch.no_grad():
         idx, _, probs = moe.router(x.reshape(-1, cfg.hidden_size))
     T, E, K = idx.shape[0], cfg.num_experts, cfg.top_k
@@ -310,6 +311,7 @@ def _silu(t):
     return t / (1 + torch.exp(-t))
 
 
+@torch.no_grad()
 def _moe_reference(moe, cfg, x_TH):
     """y_t = sum_k w_tk * SwiGLU_{e_tk}(x_t) + sigmoid(x_t . g) * SwiGLU_shared(x_t), token by token."""
     E, K, Fd = cfg.num_experts, cfg.top_k, cfg.moe_ffn_size

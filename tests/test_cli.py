@@ -1,0 +1,255 @@
+"""The `longmoe` command end to end, always through a subprocess (what a user types).
+
+Bad input: one `error:` line naming the field or row, exit 2, no traceback, no rank started.
+Good input: the shipped CPU demo trains (2 gloo ranks, EP=2, FSDP2, full recompute, chunked
+linear CE, 2 EP chunks) and its loss falls; a JSONL data run packs exactly the tokens it should;
+doctor and the paired harness answer in JSON.
+
+The short commands are independent, so one module fixture starts them together (the machine has
+2 cores and most of each command is importing torch); each test then reads its own result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+TIMEOUT_S = 300
+SMALL = ["--set", "data.batch_size=4", "--set", "data.seq_len=64", "--set", "data.prompt_len=16"]
+VOCAB = 512  # tiny preset
+# Pinned so a GPU machine runs the same CPU/gloo job; the recipe itself is used as shipped.
+CPU_ENV = {**os.environ, "LONGMOE_BACKEND": "cpu"}
+
+
+def longmoe(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "longmoe", *args], cwd=cwd, env=env or CPU_ENV,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def error_lines(p: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+# ---- input files ----------------------------------------------------------------------------
+
+def _row(prompt, response, advantage, **extra) -> str:
+    return json.dumps({"prompt": prompt, "response": response, "advantage": advantage, **extra})
+
+
+# Rows 0-3 form step 1's batch (batch_size=4, one rank) and carry no old_logprobs, so step 1 is
+# on-policy: every ratio is exactly 1 and the loss is -(sum of trained advantages) / their count,
+# whatever the weights. Rows 4-5 (step 2) bring rollout log-probs. Row 2 overflows seq_len.
+JSONL_SEQ_LEN = 24
+JSONL_ROWS = [
+    {"prompt": [5, 17, 300], "response": [9, 9, 42, 7, 100], "advantage": 0.75},
+    {"prompt": [1], "response": [2, 3, 4, 5], "advantage": [0.5, -1.0, 2.0, 0.25],
+     "loss_mask": [1, 0, 1, 1]},
+    {"prompt": list(range(10, 30)), "response": list(range(200, 212)), "advantage": -0.5},
+    {"prompt": [511, 0], "response": [8, 6, 4], "advantage": [1.5, -0.5, 0.125],
+     "loss_mask": [0, 1, 1]},
+    {"prompt": [3, 3], "response": [7, 8, 9], "advantage": 1.0,
+     "old_logprobs": [-6.2, -6.3, -6.1]},
+    {"prompt": [4], "response": [11, 12], "advantage": [-1.0, 0.5],
+     "old_logprobs": [-6.0, -6.5], "loss_mask": [1, 1]},
+]
+
+
+def trained_advantages(row: dict, seq_len: int) -> list[float]:
+    """The advantages of the response tokens that get a label: position len(prompt)+j-1 predicts
+    response token j, and it must lie in [0, seq_len)."""
+    out = []
+    for j in range(len(row["response"])):
+        t = len(row["prompt"]) + j - 1
+        if not 0 <= t < seq_len or (row.get("loss_mask") and not row["loss_mask"][j]):
+            continue
+        a = row["advantage"]
+        out.append(a[j] if isinstance(a, list) else a)
+    return out
+
+
+def write_inputs(d: Path):
+    (d / "unknown_field.yaml").write_text("model: {preset: tiny}\nparallel: {foo: 1}\n")
+    good = _row([1, 2], [3, 4], 1.0)
+    (d / "bad_token.jsonl").write_text(good + "\n" + _row([1, 2], [3, VOCAB], 1.0) + "\n")
+    (d / "malformed.jsonl").write_text(good + "\n\n" + '{"prompt": [1, 2], "response": [3\n')
+    (d / "good.jsonl").write_text("\n".join(json.dumps(r) for r in JSONL_ROWS) + "\n")
+
+
+# ---- the short commands, started together ----------------------------------------------------
+
+# id -> (argv, substrings the error line must contain)
+BAD_INPUT = {
+    "unknown_field": (["train", "--config", "unknown_field.yaml"], ["parallel.foo"]),
+    "world_not_divisible_by_ep": (["train", "--config", "cpu_demo", "--nproc", "3"],
+                                  ["parallel.ep", "3"]),
+    "ep_exceeds_experts": (["train", "--config", "cpu_demo", "--set", "parallel.ep=16",
+                            "--nproc", "16"], ["parallel.ep", "16", "num_experts"]),
+    "ep_not_dividing_experts": (["train", "--config", "cpu_demo", "--set", "parallel.ep=3",
+                                 "--nproc", "3"], ["parallel.ep", "num_experts", "divide"]),
+    "token_out_of_vocab": (["train", "--config", "cpu_demo", "--set", "data.source=jsonl",
+                            "--set", "data.path=bad_token.jsonl"],
+                           ["bad_token.jsonl:2", str(VOCAB)]),
+    "missing_data_file": (["train", "--config", "cpu_demo", "--set", "data.source=jsonl",
+                           "--set", "data.path=no_such.jsonl"], ["data.path", "no_such.jsonl"]),
+    "malformed_jsonl": (["train", "--config", "cpu_demo", "--set", "data.source=jsonl",
+                         "--set", "data.path=malformed.jsonl"], ["malformed.jsonl:3", "JSON"]),
+    "negative_steps": (["train", "--config", "cpu_demo", "--steps", "-1"], ["--steps"]),
+    "resume_without_dir": (["train", "--config", "cpu_demo", "--resume"],
+                           ["--resume", "--checkpoint-dir"]),
+    "unknown_recipe": (["train", "--config", "no_such_recipe"], ["--config", "no_such_recipe"]),
+    # 4 x 64 = 256 tokens per rank per layer
+    "chunks_exceed_tokens": (["train", "--config", "cpu_demo", *SMALL, "--set",
+                              "parallel.chunks=257"], ["parallel.chunks", "257", "256"]),
+    "set_without_equals": (["train", "--config", "cpu_demo", "--set", "parallel.chunks"],
+                           ["--set", "parallel.chunks"]),
+    "paired_unknown_primitive": (["paired", "nope"], ["nope"]),
+    "paired_unknown_impl": (["paired", "linear_ce", "--impl", "nope"], ["--impl", "nope"]),
+}
+
+GOOD = {
+    "doctor": ["doctor", "--json"],
+    "paired_linear_ce": ["paired", "linear_ce", "--json"],
+    "paired_recompute": ["paired", "recompute", "--json"],
+    "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
+                  "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
+                  "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",
+                  "--steps", "2",
+                  "--metrics-out", "jsonl_metrics.jsonl"],
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli")
+    write_inputs(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def quick(workdir):
+    """id -> Future of the CompletedProcess. Doctor runs in the caller's environment (it reports
+    what auto-detection sees); everything else is pinned to the CPU backend."""
+    pool = ThreadPoolExecutor(max_workers=3)
+    futures = {"doctor": pool.submit(longmoe, *GOOD["doctor"], cwd=workdir, env=dict(os.environ))}
+    for name, argv in GOOD.items():
+        if name != "doctor":
+            futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
+    for name, (argv, _) in BAD_INPUT.items():
+        futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
+    yield futures
+    pool.shutdown(wait=True)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_error_line(quick, case):
+    _, must_name = BAD_INPUT[case]
+    p = quick[case].result()
+    errors = error_lines(p)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+    assert len(errors) == 1, p.stderr
+    for s in must_name:
+        assert s in errors[0], f"{s!r} not in {errors[0]!r}"
+    # Rejected before any rank started: no training banner, no rank being terminated.
+    assert "rank(s) on" not in p.stdout
+    assert "Terminating process" not in p.stderr
+
+
+# ---- doctor and paired -----------------------------------------------------------------------
+
+def test_doctor_json(quick):
+    import torch
+    p = quick["doctor"].result()
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["backend_error"] is None
+    assert report["backend"] in report["backends"]
+    if not torch.cuda.is_available():  # ROCm torch reports through torch.cuda too
+        assert report["backend"] == "cpu"
+        assert report["dist_backend"] == "gloo"
+
+
+@pytest.mark.parametrize("primitive", ["linear_ce", "recompute"])
+def test_paired_json_ok(quick, primitive):
+    p = quick[f"paired_{primitive}"].result()
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(p.stdout)
+    assert res["primitive"] == primitive
+    assert res["ok"] is True, res
+    assert res["errors"] and all(math.isfinite(v) for v in res["errors"].values())
+    assert res["max_error"] <= res["tolerance"]
+
+
+# ---- a JSONL data run ------------------------------------------------------------------------
+
+def test_jsonl_run_packs_the_rows(quick, workdir):
+    p = quick["jsonl_run"].result()
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(workdir / "jsonl_metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "tokens_per_s"))
+        assert r["tokens"] == 4 * JSONL_SEQ_LEN
+    # Step 1 reads rows 0-3, step 2 rows 4, 5, 0, 1 (the source wraps around).
+    picks = [[0, 1, 2, 3], [4, 5, 0, 1]]
+    adv = [[a for i in pick for a in trained_advantages(JSONL_ROWS[i], JSONL_SEQ_LEN)]
+           for pick in picks]
+    assert [r["trained_tokens"] for r in rows] == [len(a) for a in adv]
+    # On-policy step: ratio 1, the clipped surrogate is -mean(advantage) over trained tokens.
+    assert rows[0]["loss"] == pytest.approx(-sum(adv[0]) / len(adv[0]), rel=1e-5, abs=1e-6)
+
+
+# ---- the shipped CPU demo --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo(workdir):
+    out = workdir / "demo_metrics.jsonl"
+    p = longmoe("train", "--config", "cpu_demo", "--metrics-out", str(out), cwd=workdir)
+    return p, (read_metrics(out) if out.exists() else [])
+
+
+def test_demo_runs_and_logs_every_step(demo):
+    p, rows = demo
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert [r["step"] for r in rows] == list(range(1, 41))  # recipe: train.steps=40
+    for r in rows:
+        for k in ("loss", "grad_norm", "tokens_per_s", "peak_mem_bytes"):
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r)
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0
+        # 2 ranks x 16 sequences x 128 tokens
+        assert r["tokens"] == 2 * 16 * 128
+
+
+def test_demo_loss_falls(demo):
+    # Seen here: the first five steps average about -0.012, the last five about -0.054 (the
+    # surrogate starts at 0: ratio 1, advantages that sum to zero per group).
+    _, rows = demo
+    losses = [r["loss"] for r in rows]
+    assert len(losses) >= 10
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert abs(losses[0]) < 0.02, losses[:5]
+    assert last < first - 0.02, (first, last)
+
+
+def test_demo_prints_summary(demo):
+    p, rows = demo
+    assert "longmoe train: summary" in p.stdout
+    for label in ("first_loss", "last_loss", "mean_tokens_per_s", "peak memory", "world"):
+        assert label in p.stdout, label
+    assert "2 rank(s) on cpu, ep=2, fsdp=True, recompute=full, chunks=2, linear_ce=chunked" \
+        in p.stdout

@@ -1,0 +1,322 @@
+"""RL batches (synthetic GRPO groups, JSONL rows and their packing) and the policy losses against
+hand computations in float64."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from longmoe.errors import UserError
+from longmoe.train.config import DataConfig, LossConfig
+from longmoe.train.data import IGNORE, JsonlSource, SyntheticSource, _pack, make_source, read_jsonl
+from longmoe.train.loss import policy_loss
+
+
+# ---- synthetic -------------------------------------------------------------------------------
+
+V = 37
+SYN = DataConfig(batch_size=6, seq_len=23, prompt_len=5, group_size=3)
+
+
+def test_synthetic_deterministic_and_distinct():
+    a = SyntheticSource(SYN, V, seed=11)
+    b = SyntheticSource(SYN, V, seed=11)
+    x = a.batch(step=3, rank=1, world=2)
+    y = b.batch(step=3, rank=1, world=2)
+    for f in ("input_ids", "labels", "advantages", "old_logprobs"):
+        assert torch.equal(getattr(x, f).nan_to_num(7.0), getattr(y, f).nan_to_num(7.0)), f
+    assert not torch.equal(x.input_ids, a.batch(step=3, rank=0, world=2).input_ids)
+    assert not torch.equal(x.input_ids, a.batch(step=4, rank=1, world=2).input_ids)
+    assert not torch.equal(x.input_ids, SyntheticSource(SYN, V, seed=12).batch(3, 1, 2).input_ids)
+
+
+@pytest.mark.parametrize("cfg", [SYN, DataConfig(batch_size=8, seq_len=16, prompt_len=1, group_size=4)])
+def test_synthetic_layout(cfg):
+    src = SyntheticSource(cfg, V, seed=random.randrange(2**31))
+    bt = src.batch(step=random.randrange(100), rank=random.randrange(4), world=4)
+    B, S, P, G = cfg.batch_size, cfg.seq_len, cfg.prompt_len, cfg.group_size
+    assert bt.input_ids.shape == bt.labels.shape == bt.advantages.shape == bt.old_logprobs.shape == (B, S)
+    assert bt.num_tokens == B * S
+    assert bt.input_ids.dtype == bt.labels.dtype == torch.long
+    assert (0 <= bt.input_ids).all() and (bt.input_ids < V).all()
+    mask = bt.labels != IGNORE
+    assert ((bt.labels[mask] >= 0) & (bt.labels[mask] < V)).all()
+    # Prompt positions (all but the last, which predicts the first response token) are ignored;
+    # every response position is trained (equal lengths).
+    assert not mask[:, : P - 1].any()
+    assert mask[:, P - 1:].all()
+    # Labels are next tokens.
+    inner = mask[:, :-1]
+    assert torch.equal(bt.labels[:, :-1][inner], bt.input_ids[:, 1:][inner])
+    # One prompt per group.
+    prompts = bt.input_ids[:, :P].view(B // G, G, P)
+    assert (prompts == prompts[:, :1]).all()
+    # Advantages: constant per response, zero off the trained tokens, sum to 0 per group.
+    assert (bt.advantages[~mask] == 0).all()
+    per_seq = bt.advantages[:, P - 1]
+    assert torch.equal(bt.advantages[mask].view(B, -1), per_seq[:, None].expand(B, S - P + 1))
+    group_sum = (bt.advantages * mask).view(B // G, G * S).sum(-1)
+    torch.testing.assert_close(group_sum, torch.zeros(B // G), atol=1e-4, rtol=0)
+    assert per_seq.abs().max() > 0.1  # rewards vary within groups, so the check above can fail
+    # Uniform rollout policy on trained tokens, NaN elsewhere.
+    torch.testing.assert_close(bt.old_logprobs[mask], torch.full((int(mask.sum()),), -math.log(V)))
+    assert torch.isnan(bt.old_logprobs[~mask]).all()
+
+
+def test_synthetic_reward_follows_rule():
+    # Responses with larger advantage follow the hidden rule more often.
+    cfg = DataConfig(batch_size=16, seq_len=64, prompt_len=4, group_size=4)
+    src = SyntheticSource(cfg, V, seed=5)
+    bt = src.batch(0, 0, 1)
+    P = cfg.prompt_len
+    seq = torch.cat([bt.input_ids[:, P - 1:], bt.labels[:, -1:]], dim=1)  # last prompt token + response
+    follow = (src.rule[seq[:, :-1]] == seq[:, 1:]).double().mean(1)
+    adv = bt.advantages[:, P - 1].double()
+    for g in range(cfg.batch_size // cfg.group_size):
+        s = slice(g * 4, g * 4 + 4)
+        # Noise can coincide with the rule (prob 1/V), so compare ranks on well-separated pairs.
+        a, f = adv[s], follow[s]
+        hi, lo = int(a.argmax()), int(a.argmin())
+        if a[hi] - a[lo] > 1.0:
+            assert f[hi] > f[lo]
+
+
+# ---- JSONL -----------------------------------------------------------------------------------
+
+def _jsonl(tmp_path, lines, name="d.jsonl"):
+    p = tmp_path / name
+    p.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    return p
+
+
+GOOD = {"prompt": [1, 2, 3], "response": [4, 5], "advantage": 0.5}
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ('{"prompt": [1], "response": [2],', "not valid JSON"),
+    ({"prompt": [1], "response": [2]}, "missing field 'advantage'"),
+    ({"response": [2], "advantage": 1.0}, "missing field 'prompt'"),
+    ({"prompt": [1], "response": [2, 50], "advantage": 1.0}, "response token id 50 is outside"),
+    ({"prompt": [-1], "response": [2], "advantage": 1.0}, "prompt token id -1 is outside"),
+    ({"prompt": [1], "response": [2.0], "advantage": 1.0}, "response must be a list of integer"),
+    ({"prompt": [1], "response": [], "advantage": 1.0}, "response is empty"),
+    ({"prompt": [1], "response": [2, 3], "advantage": 1.0, "old_logprobs": [-1.0]}, "old_logprobs"),
+    ({"prompt": [1], "response": [2, 3], "advantage": 1.0, "loss_mask": [1, 0, 1]}, "loss_mask"),
+    ({"prompt": [1], "response": [2, 3], "advantage": [1.0]}, "advantage list has 1 values"),
+    ({"prompt": [1], "response": [2], "advantage": "high"}, "advantage must be a number"),
+    ({"prompt": [1], "response": [2], "advantage": True}, "advantage must be a number"),
+    ("[1, 2]", "expected an object"),
+])
+def test_read_jsonl_errors_name_line_and_field(tmp_path, bad, msg):
+    # The bad row is on line 4: a blank line still counts.
+    p = _jsonl(tmp_path, [GOOD, GOOD, "", bad, GOOD])
+    with pytest.raises(UserError, match=msg) as ei:
+        read_jsonl(p, vocab_size=40)
+    assert f"{p}:4:" in str(ei.value)
+
+
+def test_read_jsonl_missing_and_empty(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        read_jsonl(tmp_path / "nope.jsonl", 10)
+    with pytest.raises(UserError, match="no rows"):
+        read_jsonl(_jsonl(tmp_path, ["", "  "]), 10)
+    rows = read_jsonl(_jsonl(tmp_path, [GOOD, "", GOOD]), 10)
+    assert rows == [GOOD, GOOD]
+
+
+def test_pack_positions_advantages_mask():
+    s1 = {"prompt": [7, 8, 9], "response": [11, 12, 13, 14],
+          "advantage": [0.5, -1.5, 2.5, 3.5], "loss_mask": [1, 0, 1, 1],
+          "old_logprobs": [-0.1, -0.2, -0.3, -0.4]}
+    s2 = {"prompt": [3], "response": [21, 22], "advantage": -0.75}
+    S = 10
+    bt = _pack([s1, s2], S)
+    assert torch.equal(bt.input_ids[0], torch.tensor([7, 8, 9, 11, 12, 13, 14, 0, 0, 0]))
+    assert torch.equal(bt.input_ids[1, :3], torch.tensor([3, 21, 22]))
+    # Response token j is predicted at position len(prompt) + j - 1; j=1 is masked out.
+    lab0 = torch.full((S,), IGNORE)
+    lab0[[2, 4, 5]] = torch.tensor([11, 13, 14])
+    assert torch.equal(bt.labels[0], lab0)
+    adv0 = torch.zeros(S)
+    adv0[[2, 4, 5]] = torch.tensor([0.5, 2.5, 3.5])
+    assert torch.equal(bt.advantages[0], adv0)
+    old0 = bt.old_logprobs[0]
+    torch.testing.assert_close(old0[[2, 4, 5]], torch.tensor([-0.1, -0.3, -0.4]))
+    assert torch.isnan(old0[[0, 1, 3, 6, 7, 8, 9]]).all()
+    # Scalar advantage on every response token; no old_logprobs -> NaN (on-policy).
+    lab1 = torch.full((S,), IGNORE)
+    lab1[[0, 1]] = torch.tensor([21, 22])
+    assert torch.equal(bt.labels[1], lab1)
+    assert torch.equal(bt.advantages[1, :2], torch.tensor([-0.75, -0.75]))
+    assert (bt.advantages[1, 2:] == 0).all()
+    assert torch.isnan(bt.old_logprobs[1]).all()
+
+
+def test_pack_truncates_long_response():
+    s = {"prompt": [1, 2, 3], "response": [4, 5, 6, 7, 8], "advantage": [1.0, 2.0, 3.0, 4.0, 5.0]}
+    bt = _pack([s], 5)
+    assert torch.equal(bt.input_ids[0], torch.tensor([1, 2, 3, 4, 5]))
+    # Positions 2, 3, 4 predict responses 0, 1, 2; the last position's label lies past the inputs.
+    assert torch.equal(bt.labels[0], torch.tensor([IGNORE, IGNORE, 4, 5, 6]))
+    assert torch.equal(bt.advantages[0], torch.tensor([0.0, 0.0, 1.0, 2.0, 3.0]))
+
+
+def test_jsonl_round_robin(tmp_path):
+    n_rows, B, world = 7, 2, 3
+    rows = [{"prompt": [i], "response": [i + 10, i + 20], "advantage": float(i)} for i in range(n_rows)]
+    path = _jsonl(tmp_path, rows)
+    cfg = DataConfig(source="jsonl", path=str(path), batch_size=B, seq_len=5)
+    src = make_source(cfg, vocab_size=40, seed=0)
+    assert isinstance(src, JsonlSource)
+    seen = []
+    for step in range(3):
+        for rank in range(world):
+            bt = src.batch(step, rank, world)
+            first = (step * world + rank) * B
+            want = [(first + i) % n_rows for i in range(B)]
+            assert bt.input_ids[:, 0].tolist() == want, (step, rank)
+            assert bt.advantages[:, 0].tolist() == [float(w) for w in want]
+            seen += want
+    assert set(seen) == set(range(n_rows))
+    # Same rows passed in directly give the same batches.
+    direct = JsonlSource(cfg, 40, rows=rows)
+    assert torch.equal(direct.batch(2, 1, world).input_ids, src.batch(2, 1, world).input_ids)
+
+
+# ---- policy loss -----------------------------------------------------------------------------
+
+def _inputs(gen, shape=(3, 11)):
+    lp = (-torch.rand(shape, generator=gen, dtype=torch.float64) * 3 - 0.05).requires_grad_(True)
+    labels = torch.randint(0, 50, shape, generator=gen)
+    labels[torch.rand(shape, generator=gen) < 0.3] = IGNORE
+    labels[0, 0] = 3  # at least one trained token
+    adv = torch.randn(shape, generator=gen, dtype=torch.float64)
+    old = lp.detach() + torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
+    ent = torch.rand(shape, generator=gen, dtype=torch.float64) * 4
+    return lp, labels, adv, old, ent
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(random.randrange(2**31))
+
+
+def _grpo_by_hand(lp, labels, adv, old, clip_low, clip_high, n):
+    lp = lp.detach()
+    loss, grad = 0.0, torch.zeros_like(lp)
+    clipped = 0
+    for idx in zip(*torch.nonzero(labels != IGNORE, as_tuple=True)):
+        l, a, o = float(lp[idx]), float(adv[idx]), float(old[idx])
+        r = math.exp(l - o)
+        unclipped, cl = r * a, min(max(r, 1 - clip_low), 1 + clip_high) * a
+        loss -= min(unclipped, cl)
+        if cl < unclipped:
+            clipped += 1  # the clamp is active: no gradient
+        else:
+            grad[idx] = -a * r / n
+    return loss / n, grad, clipped
+
+
+def test_grpo_matches_hand_with_clipping(gen):
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28)
+    lp, labels, adv, old, _ = _inputs(gen)
+    labels[0, :4] = 1
+    with torch.no_grad():
+        # Force both clipping regimes and their unclipped mirrors:
+        #   r = 1.5, A > 0  -> clipped at 1.28     r = 0.5, A < 0 -> clipped at 0.8
+        #   r = 1.5, A < 0  -> unclipped           r = 0.5, A > 0 -> unclipped
+        for j, (r, a) in enumerate([(1.5, 2.0), (0.5, -1.5), (1.5, -0.7), (0.5, 0.9)]):
+            old[0, j] = lp[0, j] - math.log(r)
+            adv[0, j] = a
+    n = int((labels != IGNORE).sum()) + 5  # a global count larger than this rank's
+    loss, stats = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=n)
+    ref, ref_grad, clipped = _grpo_by_hand(lp, labels, adv, old, 0.2, 0.28, n)
+    assert math.isclose(float(loss), ref, rel_tol=1e-12, abs_tol=1e-15), gen.initial_seed()
+    assert clipped >= 2 and int(stats["clip_frac"]) == clipped
+    # The forced tokens contribute exactly as the clipped/unclipped formulas say.
+    lpd = lp.detach()
+    term = lambda j: -min(math.exp(float(lpd[0, j] - old[0, j])) * float(adv[0, j]),
+                          min(max(math.exp(float(lpd[0, j] - old[0, j])), 0.8), 1.28) * float(adv[0, j]))
+    assert math.isclose(term(0), -1.28 * 2.0, rel_tol=1e-12)
+    assert math.isclose(term(1), 0.8 * 1.5, rel_tol=1e-12)
+    assert math.isclose(term(2), 1.5 * 0.7, rel_tol=1e-12)
+    assert math.isclose(term(3), -0.5 * 0.9, rel_tol=1e-12)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, ref_grad, atol=1e-14, rtol=1e-12)
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == 0 and lp.grad[0, 2] != 0 and lp.grad[0, 3] != 0
+    mask = labels != IGNORE
+    assert (lp.grad[~mask] == 0).all()
+    torch.testing.assert_close(stats["ratio_sum"], torch.exp(lp - old)[mask].sum().detach())
+
+
+def test_grpo_nan_old_is_on_policy(gen):
+    cfg = LossConfig()
+    lp, labels, adv, old, _ = _inputs(gen)
+    old = torch.full_like(old, float("nan"))
+    old[1, 2] = float(lp[1, 2]) + 0.1  # one token with a supplied rollout log-prob
+    labels[1, 2] = 4
+    n = 29
+    loss, stats = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=n)
+    assert torch.isfinite(loss)
+    mask = labels != IGNORE
+    on = mask.clone()
+    on[1, 2] = False
+    r = math.exp(-0.1)
+    a12 = float(adv[1, 2])
+    ref = -(float((adv * on).sum()) + min(r * a12, min(max(r, 0.8), 1.28) * a12)) / n
+    assert math.isclose(float(loss), ref, rel_tol=1e-12), gen.initial_seed()
+    loss.backward()
+    ref_grad = -(adv * on) / n
+    ref_grad[1, 2] = -a12 * r / n  # r = 0.905 is inside the clip range
+    torch.testing.assert_close(lp.grad, ref_grad, atol=1e-14, rtol=1e-12)
+    assert lp.grad[on].abs().min() > 0
+
+
+def test_sft(gen):
+    cfg = LossConfig(type="sft")
+    lp, labels, adv, old, _ = _inputs(gen)
+    mask = labels != IGNORE
+    loss, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=17)
+    assert math.isclose(float(loss), -float(lp[mask].sum()) / 17, rel_tol=1e-12)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -mask.double() / 17, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_entropy_bonus(gen, kind):
+    lp, labels, adv, old, ent = _inputs(gen)
+    mask = labels != IGNORE
+    n = 23
+    base, stats0 = policy_loss(LossConfig(type=kind), lp, ent, labels, adv, old, global_tokens=n)
+    with_ent, stats = policy_loss(LossConfig(type=kind, entropy_coef=0.03), lp, ent, labels, adv,
+                                  old, global_tokens=n)
+    ent_mean = float(ent[mask].sum()) / n
+    assert math.isclose(float(with_ent), float(base) - 0.03 * ent_mean, rel_tol=1e-12)
+    assert math.isclose(float(stats["entropy"]), float(ent[mask].sum()), rel_tol=1e-12)
+    assert math.isclose(float(stats0["entropy"]), float(ent[mask].sum()), rel_tol=1e-12)
+    assert math.isclose(float(stats["logprob_sum"]), float(lp[mask].sum()), rel_tol=1e-12)
+    ent_g = ent.clone().requires_grad_(True)
+    loss, _ = policy_loss(LossConfig(type=kind, entropy_coef=0.03), lp, ent_g, labels, adv, old, n)
+    loss.backward()
+    torch.testing.assert_close(ent_g.grad, -0.03 * mask.double() / n, atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_global_token_normalisation(gen, kind):
+    lp, labels, adv, old, _ = _inputs(gen)
+    cfg = LossConfig(type=kind)
+    l1, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=10)
+    l3, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=30)
+    assert float(l1) != 0
+    assert math.isclose(float(l1), 3 * float(l3), rel_tol=1e-12)
+    # Split the batch across two "ranks": each normalises by the global count; the sum is the
+    # single-rank loss.
+    n = int((labels != IGNORE).sum())
+    whole, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=n)
+    parts = sum(float(policy_loss(cfg, lp[s], None, labels[s], adv[s], old[s], global_tokens=n)[0])
+                for s in (slice(0, 1), slice(1, 3)))
+    assert math.isclose(parts, float(whole), rel_tol=1e-12)
+    l0, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=0)  # clamped to 1
+    assert math.isclose(float(l0), 10 * float(l1), rel_tol=1e-12)
