@@ -148,21 +148,26 @@ def test_shipped_kernel_configs():
     assert kernel_config_from(nv, "grouped_gemm", "sm_90", "m<=256")["BLOCK_M"] == 64
     assert kernel_config_from(nv, "grouped_gemm", "sm_90", "huge")["BLOCK_N"] == 256
     assert kernel_config_from(nv, "grouped_gemm", "sm_75", "m<=256")["BLOCK_M"] == 32
-    assert kernel_config_from(nv, "linear_ce", "sm_75")["num_warps"] == 4
-    g = kernel_config_from(amd, "linear_ce", "gfx942")
+    assert kernel_config_from(nv, "linear_ce_rows", "sm_75")["BLOCK_V"] == 2048
+    g = kernel_config_from(amd, "grouped_gemm", "gfx942")
     assert (g["num_warps"], g["num_stages"], g["matrix_instr_nonkdim"], g["kpack"]) == (8, 2, 16, 2)
-    assert CpuBackend().kernel_config("linear_ce")["BLOCK_M"] > 0
+    assert kernel_config_from(amd, "linear_ce_rows", "gfx942")["waves_per_eu"] == 2
+    assert CpuBackend().kernel_config("linear_ce_rows")["BLOCK_V"] > 0
     with pytest.raises(KeyError, match="flash_attn"):
         CpuBackend().kernel_config("flash_attn")
     # Every shipped config carries the launch keys its vendor's kernels pass to Triton.
     amd_keys = {"waves_per_eu", "matrix_instr_nonkdim", "kpack"}
     for vendor in ("cpu", "cuda", "rocm"):
         table = json.loads((BACKENDS_DIR / vendor / "kernels.json").read_text())
-        for kernel in ("linear_ce", "grouped_gemm"):
+        for kernel, keys in (("grouped_gemm", {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                                "num_stages"}),
+                             ("linear_ce_rows", {"BLOCK_V", "num_warps", "BLOCK_V_GRAD",
+                                                 "num_warps_grad"})):
             for by_bucket in table[kernel].values():
                 for cfg in by_bucket.values():
-                    assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= set(cfg)
-                    assert amd_keys <= set(cfg) if vendor == "rocm" else not amd_keys & set(cfg)
+                    assert keys <= set(cfg)
+                    if vendor != "rocm":
+                        assert not amd_keys & set(cfg)
 
 
 # --- GPU probes degrade instead of raising ---------------------------------------------------

@@ -233,7 +233,7 @@ def test_grpo_matches_hand_with_clipping(gen):
     n = int((labels != IGNORE).sum()) + 5  # a global count larger than this rank's
     loss, stats = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=n)
     ref, ref_grad, clipped = _grpo_by_hand(lp, labels, adv, old, 0.2, 0.28, n)
-    assert math.isclose(float(loss), ref, rel_tol=1e-12, abs_tol=1e-15), gen.initial_seed()
+    assert math.isclose(float(loss.detach()), ref, rel_tol=1e-12, abs_tol=1e-15), gen.initial_seed()
     assert clipped >= 2 and int(stats["clip_frac"]) == clipped
     # The forced tokens contribute exactly as the clipped/unclipped formulas say.
     lpd = lp.detach()
@@ -266,7 +266,7 @@ def test_grpo_nan_old_is_on_policy(gen):
     r = math.exp(-0.1)
     a12 = float(adv[1, 2])
     ref = -(float((adv * on).sum()) + min(r * a12, min(max(r, 0.8), 1.28) * a12)) / n
-    assert math.isclose(float(loss), ref, rel_tol=1e-12), gen.initial_seed()
+    assert math.isclose(float(loss.detach()), ref, rel_tol=1e-12), gen.initial_seed()
     loss.backward()
     ref_grad = -(adv * on) / n
     ref_grad[1, 2] = -a12 * r / n  # r = 0.905 is inside the clip range
@@ -279,7 +279,7 @@ def test_sft(gen):
     lp, labels, adv, old, _ = _inputs(gen)
     mask = labels != IGNORE
     loss, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=17)
-    assert math.isclose(float(loss), -float(lp[mask].sum()) / 17, rel_tol=1e-12)
+    assert math.isclose(float(loss.detach()), -float(lp[mask].sum()) / 17, rel_tol=1e-12)
     loss.backward()
     torch.testing.assert_close(lp.grad, -mask.double() / 17, atol=0, rtol=0)
 
@@ -293,7 +293,7 @@ def test_entropy_bonus(gen, kind):
     with_ent, stats = policy_loss(LossConfig(type=kind, entropy_coef=0.03), lp, ent, labels, adv,
                                   old, global_tokens=n)
     ent_mean = float(ent[mask].sum()) / n
-    assert math.isclose(float(with_ent), float(base) - 0.03 * ent_mean, rel_tol=1e-12)
+    assert math.isclose(float(with_ent.detach()), float(base.detach()) - 0.03 * ent_mean, rel_tol=1e-12)
     assert math.isclose(float(stats["entropy"]), float(ent[mask].sum()), rel_tol=1e-12)
     assert math.isclose(float(stats0["entropy"]), float(ent[mask].sum()), rel_tol=1e-12)
     assert math.isclose(float(stats["logprob_sum"]), float(lp[mask].sum()), rel_tol=1e-12)
@@ -309,14 +309,14 @@ def test_global_token_normalisation(gen, kind):
     cfg = LossConfig(type=kind)
     l1, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=10)
     l3, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=30)
-    assert float(l1) != 0
-    assert math.isclose(float(l1), 3 * float(l3), rel_tol=1e-12)
+    assert float(l1.detach()) != 0
+    assert math.isclose(float(l1.detach()), 3 * float(l3.detach()), rel_tol=1e-12)
     # Split the batch across two "ranks": each normalises by the global count; the sum is the
     # single-rank loss.
     n = int((labels != IGNORE).sum())
     whole, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=n)
-    parts = sum(float(policy_loss(cfg, lp[s], None, labels[s], adv[s], old[s], global_tokens=n)[0])
+    parts = sum(float(policy_loss(cfg, lp[s], None, labels[s], adv[s], old[s], global_tokens=n)[0].detach())
                 for s in (slice(0, 1), slice(1, 3)))
-    assert math.isclose(parts, float(whole), rel_tol=1e-12)
+    assert math.isclose(parts, float(whole.detach()), rel_tol=1e-12)
     l0, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=0)  # clamped to 1
-    assert math.isclose(float(l0), 10 * float(l1), rel_tol=1e-12)
+    assert math.isclose(float(l0.detach()), 10 * float(l1.detach()), rel_tol=1e-12)

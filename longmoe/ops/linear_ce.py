@@ -5,16 +5,21 @@ Legend: T tokens, H hidden, V vocab, C tokens in one chunk.
 
 Implementations (registry "linear_ce"):
   naive    plain PyTorch, materialises the fp32 [T, V] logits; the reference.
-  chunked  plain PyTorch autograd.Function over token chunks: the forward keeps only the per-token
-           log-sum-exp, the backward recomputes each chunk's logits. Peak extra memory is a few
-           [C, V] fp32 tiles. Runs everywhere.
-Fused Triton kernels register here too (issue B) behind the same two entry points.
+  chunked  an autograd.Function over token chunks with plain-PyTorch row math: the forward keeps
+           only per-token statistics, the backward recomputes each chunk's logits. Peak extra
+           memory is one fp32 [C, V] chunk plus its gradient. Runs everywhere.
+  triton   the same chunking with the row statistics and the logit gradient in Triton kernels
+           (ops/kernels/ce_rows.py); GPUs, or CPU under TRITON_INTERPRET=1.
+The fused-gradient paths (CE with mean/sum reduction, the RL policy loss) live in
+linear_ce_fused.py: they know each token's gradient weight in the forward, so they never
+recompute the logits (6*T*H*V FLOPs instead of 8).
 """
 
 from __future__ import annotations
 
 import torch
 
+from longmoe.ops.linear_ce_engines import ENGINES, TritonRows, accumulate_dw, logits_into
 from longmoe.ops.registry import Registry
 
 LINEAR_CE = Registry("linear_ce")
@@ -60,70 +65,76 @@ def _check_label_range(labels_T, vocab, ignore_index):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
+    """Generic path: the forward keeps only per-token statistics; the backward recomputes each
+    chunk's logits (8*T*H*V FLOPs in all), so any downstream loss can follow."""
+
     @staticmethod
-    def forward(ctx, h_TH, w_VH, labels_T, ignore_index, chunk, with_entropy):
-        T = h_TH.shape[0]
-        valid_T = labels_T != ignore_index
-        safe_T = torch.where(valid_T, labels_T, 0)
+    def forward(ctx, h_TH, w_VH, labels_T, ignore_index, chunk, with_entropy, engine):
+        T, V = h_TH.shape[0], w_VH.shape[0]
         acc = _acc_dtype(h_TH.dtype)
         lse_T = torch.empty(T, dtype=acc, device=h_TH.device)
         lp_T = torch.empty_like(lse_T)
         ent_T = torch.empty_like(lse_T) if with_entropy else None
+        z_buf = torch.empty(min(chunk, T), V, dtype=acc, device=h_TH.device)
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
-            z_CV = (h_TH[s:e] @ w_VH.T).to(acc)
-            lse_C = torch.logsumexp(z_CV, dim=-1)
+            z_CV = logits_into(h_TH[s:e], w_VH, z_buf[: e - s])
+            lse_C, tgt_C, ent_C = engine.stats(z_CV, labels_T[s:e], ignore_index, with_entropy)
             lse_T[s:e] = lse_C
-            lp_T[s:e] = z_CV.gather(1, safe_T[s:e, None]).squeeze(1) - lse_C
+            lp_T[s:e] = tgt_C - lse_C
             if with_entropy:
-                p_CV = torch.exp(z_CV - lse_C[:, None])
-                ent_T[s:e] = lse_C - (p_CV * z_CV).sum(-1)
+                ent_T[s:e] = ent_C
+        valid_T = labels_T != ignore_index
         lp_T = torch.where(valid_T, lp_T, 0.0)
         if with_entropy:
             ent_T = torch.where(valid_T, ent_T, 0.0)
-        ctx.save_for_backward(h_TH, w_VH, safe_T, valid_T, lse_T)
+        ctx.save_for_backward(h_TH, w_VH, labels_T, lse_T, ent_T if with_entropy else lse_T)
         ctx.set_materialize_grads(False)  # an unused entropy output costs no backward work
-        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        ctx.args = (ignore_index, chunk, with_entropy, engine)
         return lp_T, (ent_T if with_entropy else lse_T.new_zeros(0))
 
     @staticmethod
     def backward(ctx, g_lp_T, g_ent_T):
-        h_TH, w_VH, safe_T, valid_T, lse_T = ctx.saved_tensors
-        T, chunk = h_TH.shape[0], ctx.chunk
+        h_TH, w_VH, labels_T, lse_T, ent_T = ctx.saved_tensors
+        ignore_index, chunk, with_entropy, engine = ctx.args
+        T, V = h_TH.shape[0], w_VH.shape[0]
+        use_ent = with_entropy and g_ent_T is not None
+        if g_lp_T is None and not use_ent:
+            return (None,) * 7
         acc = lse_T.dtype
-        use_ent = ctx.with_entropy and g_ent_T is not None and g_ent_T.numel() > 0
-        g_lp_T = torch.where(valid_T, g_lp_T.to(acc), 0.0) if g_lp_T is not None else None
-        if use_ent:
-            g_ent_T = torch.where(valid_T, g_ent_T.to(acc), 0.0)
+        g_lp_T = g_lp_T.to(acc) if g_lp_T is not None else torch.zeros_like(lse_T)
+        ez_T = (lse_T - ent_T) if use_ent else None  # E_p[z] = lse - entropy
+        g_ent_T = g_ent_T.to(acc) if use_ent else None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh_TH = torch.empty_like(h_TH) if need_h else None
         dw_VH = torch.zeros(w_VH.shape, dtype=acc, device=w_VH.device) if need_w else None
+        z_buf = torch.empty(min(chunk, T), V, dtype=acc, device=h_TH.device)
+        dz_buf = torch.empty(min(chunk, T), V, dtype=h_TH.dtype, device=h_TH.device)
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
-            z_CV = (h_TH[s:e] @ w_VH.T).to(acc)
-            p_CV = torch.exp(z_CV - lse_T[s:e, None])
-            gz_CV = torch.zeros_like(z_CV)
-            if g_lp_T is not None:
-                # d logp_y / dz = onehot(y) - p
-                gz_CV -= p_CV * g_lp_T[s:e, None]
-                gz_CV.scatter_add_(1, safe_T[s:e, None], g_lp_T[s:e, None])
-            if use_ent:
-                # d H / dz_j = -p_j (z_j - E_p[z])
-                ez_C = (p_CV * z_CV).sum(-1, keepdim=True)
-                gz_CV -= g_ent_T[s:e, None] * p_CV * (z_CV - ez_C)
-            gz_CV = gz_CV.to(h_TH.dtype)
+            z_CV = logits_into(h_TH[s:e], w_VH, z_buf[: e - s])
+            dz_CV = engine.grad(z_CV, dz_buf[: e - s], labels_T[s:e], lse_T[s:e],
+                                ez_T[s:e] if use_ent else None, g_lp_T[s:e],
+                                g_ent_T[s:e] if use_ent else None, ignore_index)
             if need_h:
-                dh_TH[s:e] = gz_CV @ w_VH
+                torch.mm(dz_CV, w_VH, out=dh_TH[s:e])
             if need_w:
-                dw_VH += (gz_CV.T @ h_TH[s:e]).to(acc)
-        return dh_TH, (dw_VH.to(w_VH.dtype) if need_w else None), None, None, None, None
+                accumulate_dw(dw_VH, dz_CV, h_TH[s:e])
+        return dh_TH, (dw_VH.to(w_VH.dtype) if need_w else None), None, None, None, None, None
 
 
-@LINEAR_CE.register("chunked", priority=10)
-def _chunked(h_TH, w_VH, labels_T, ignore_index, with_entropy, chunk_tokens=None):
-    chunk = chunk_tokens or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
-    lp, ent = _ChunkedLogprobs.apply(h_TH, w_VH, labels_T, ignore_index, chunk, with_entropy)
-    return lp, (ent if with_entropy else None)
+def _engine_impl(engine_name: str):
+    def fn(h_TH, w_VH, labels_T, ignore_index, with_entropy, chunk_tokens=None):
+        chunk = chunk_tokens or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
+        lp, ent = _ChunkedLogprobs.apply(h_TH, w_VH, labels_T, ignore_index, chunk,
+                                         with_entropy, ENGINES[engine_name])
+        return lp, (ent if with_entropy else None)
+    return fn
+
+
+LINEAR_CE.register("chunked", priority=10)(_engine_impl("torch"))
+LINEAR_CE.register("triton", priority=20, check=lambda h, w, y: TritonRows.ready(h.device))(
+    _engine_impl("triton"))
 
 
 @LINEAR_CE.register("naive", priority=0, reference=True)
