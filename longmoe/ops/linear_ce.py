@@ -171,6 +171,14 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100,
     (0, still connected to the graph, when every token is ignored)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+    if reduction != "none":
+        from longmoe.ops.linear_ce_fused import fused_cross_entropy
+        _check_inputs(hidden, weight, labels)
+        h_TH, labels_T = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+        _check_label_range(labels_T, weight.shape[0], ignore_index)
+        loss = fused_cross_entropy(h_TH, weight, labels_T, ignore_index, reduction, impl, chunk_tokens)
+        if loss is not None:
+            return loss
     lp, _ = linear_logprobs(hidden, weight, labels, ignore_index=ignore_index, impl=impl,
                             chunk_tokens=chunk_tokens)
     nll = -lp

@@ -110,8 +110,7 @@ def check_compatible(path: Path, model_cfg: dict, ep: int):
 
 def load(path: Path, model, optim, ep_rank: int, ep: int, backend) -> dict:
     state = _state(model, optim, ep_rank, ep)
-    dcp.load({"model": state["model"]}, checkpoint_id=str(path))
-    state["optim"] = get_optimizer_state_dict(model, optim)
+    dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, {_untag(k): v for k, v in state["model"].items()})
     osd = state["optim"]
     osd = {**osd, "state": {_untag(k): v for k, v in osd["state"].items()}}
