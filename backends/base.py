@@ -82,6 +82,9 @@ class Backend(abc.ABC):
         """Bytes the device allocator holds now (0 where there is no device allocator)."""
         return 0
 
+    def empty_cache(self) -> None:
+        """Return cached allocator blocks to the device (between benchmark cases)."""
+
     def get_rng_state(self):
         """The device generator's state for checkpoints (None where the host RNG is all)."""
         return None

@@ -40,6 +40,9 @@ class TorchGpuBackend(Backend):
     def memory_allocated(self) -> int:
         return int(torch.cuda.memory_allocated())
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def get_rng_state(self):
         return torch.cuda.get_rng_state()
 

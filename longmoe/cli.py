@@ -3,6 +3,7 @@
   train     the RL policy update on N local ranks (every primitive configurable)
   doctor    backend, devices, library versions, what is missing
   paired    a candidate implementation against its plain-PyTorch reference
+  kernels   compile every Triton kernel config for sm_90, gfx942, gfx950 (no GPU needed)
 """
 
 from __future__ import annotations
@@ -45,6 +46,36 @@ def _cmd_paired(a) -> int:
     return run_paired_cli(a.primitive, impl=a.impl, nproc=a.nproc, as_json=a.json, seed=a.seed)
 
 
+def _cmd_kernels(a) -> int:
+    from longmoe.ops.kernels.aot import run_kernels_cli
+    return run_kernels_cli(a.target, as_json=a.json)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UserError(f"{flag}: values must be >= 1, got {text!r}")
+    return vals
+
+
+def _cmd_bench(a) -> int:
+    import torch
+    from longmoe.bench.linear_ce import run_bench, write_report
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.smoke:
+        tokens, H, V, iters = [512], 256, 4096, 2
+    else:
+        tokens, H, V, iters = _ints(a.tokens, "--tokens"), a.hidden, a.vocab, a.iters
+    impls = a.impls.split(",") if a.impls else None
+    chunks = _ints(a.chunks, "--chunks") if a.chunks else None
+    report = run_bench(tokens, H, V, dtype, impls, chunks, iters=iters)
+    write_report(report, a.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longmoe", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -65,12 +96,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_doctor)
 
     q = sub.add_parser("paired", help="candidate vs reference: loss, grads, peak memory, time")
-    q.add_argument("primitive", help="linear_ce | grouped_mm | recompute | ep | fsdp | step")
+    q.add_argument("primitive", help="linear_ce | policy_loss | grouped_mm | recompute | ep | fsdp | step")
     q.add_argument("--impl", default="auto", help="candidate implementation (default: auto)")
     q.add_argument("--nproc", type=int, default=2, help="ranks for distributed primitives")
     q.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=_cmd_paired)
+
+    b = sub.add_parser("bench", help="benchmarks (results as JSON with device, versions, date)")
+    bsub = b.add_subparsers(dest="bcmd", required=True)
+    bl = bsub.add_parser("linear-ce", help="linear CE fwd+bwd: ours vs naive, liger, cut-cross-entropy")
+    bl.add_argument("--tokens", default="8192,32768,65536")
+    bl.add_argument("--hidden", type=int, default=2048)
+    bl.add_argument("--vocab", type=int, default=248320)
+    bl.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    bl.add_argument("--impls", help="comma list of ours,ours_rl,naive,liger,cce (default: all)")
+    bl.add_argument("--chunks", help="comma list of chunk sizes (tokens) to sweep for ours")
+    bl.add_argument("--iters", type=int, default=5)
+    bl.add_argument("--out", help="write the JSON report here")
+    bl.add_argument("--smoke", action="store_true", help="tiny shapes: check the bench runs")
+    bl.set_defaults(fn=_cmd_bench)
+
+    k = sub.add_parser("kernels", help="compile-check every Triton kernel config per GPU target")
+    ksub = k.add_subparsers(dest="kcmd", required=True)
+    kc = ksub.add_parser("compile", help="registers/VGPRs, shared/LDS, spills per kernel config")
+    kc.add_argument("--target", default="all", choices=["sm_90", "gfx942", "gfx950", "all"])
+    kc.add_argument("--json", action="store_true")
+    kc.set_defaults(fn=_cmd_kernels)
     return p
 
 
@@ -88,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         from torch.multiprocessing import ProcessRaisedException
         if isinstance(e, ProcessRaisedException):
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-            print(f"error: a rank failed: {lines[-1] if lines else e}", file=sys.stderr)
+            last = lines[-1] if lines else str(e)
+            user = "longmoe.errors.UserError: "
+            if user in last or "ConfigError: " in last:  # a user error only a rank could see
+                print(f"error: {last.split(': ', 1)[1]}", file=sys.stderr)
+                return 2
+            print(f"error: a rank failed: {last}", file=sys.stderr)
             return 1
         raise
 

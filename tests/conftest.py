@@ -3,7 +3,11 @@ skipped, with the reason, on machines that lack it. No test skips by vendor name
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9 default-change warning
 
 
 def _capabilities() -> dict[str, str | None]:

@@ -3,7 +3,7 @@
 Bad input: one `error:` line naming the field or row, exit 2, no traceback, no rank started.
 Good input: the shipped CPU demo trains (2 gloo ranks, EP=2, FSDP2, full recompute, chunked
 linear CE, 2 EP chunks) and its loss falls; a JSONL data run packs exactly the tokens it should;
-doctor and the paired harness answer in JSON.
+a rank started by torchrun trains too; doctor and the paired harness answer in JSON.
 
 The short commands are independent, so one module fixture starts them together (the machine has
 2 cores and most of each command is importing torch); each test then reads its own result.
@@ -31,6 +31,13 @@ CPU_ENV = {**os.environ, "LONGMOE_BACKEND": "cpu"}
 def longmoe(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "longmoe", *args], cwd=cwd, env=env or CPU_ENV,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`longmoe train` as one rank that torchrun started (the launcher's join-the-ranks path)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "1", "-m", "longmoe", *args], cwd=cwd,
+                          env=CPU_ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def error_lines(p: subprocess.CompletedProcess) -> list[str]:
@@ -84,6 +91,9 @@ def write_inputs(d: Path):
     (d / "bad_token.jsonl").write_text(good + "\n" + _row([1, 2], [3, VOCAB], 1.0) + "\n")
     (d / "malformed.jsonl").write_text(good + "\n\n" + '{"prompt": [1, 2], "response": [3\n')
     (d / "good.jsonl").write_text("\n".join(json.dumps(r) for r in JSONL_ROWS) + "\n")
+    # Left by an earlier run: a run without --resume starts these files afresh.
+    for name in ("jsonl_metrics.jsonl", "torchrun_metrics.jsonl"):
+        (d / name).write_text(json.dumps({"step": 99, "loss": 1.0}) + "\n")
 
 
 # ---- the short commands, started together ----------------------------------------------------
@@ -147,6 +157,9 @@ def quick(workdir):
             futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
     for name, (argv, _) in BAD_INPUT.items():
         futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
+    futures["torchrun"] = pool.submit(
+        torchrun, "train", "--config", "cpu_demo", *SMALL, "--set", "parallel.ep=1",
+        "--steps", "1", "--metrics-out", "torchrun_metrics.jsonl", cwd=workdir)
     yield futures
     pool.shutdown(wait=True)
 
@@ -211,6 +224,15 @@ def test_jsonl_run_packs_the_rows(quick, workdir):
     assert [r["trained_tokens"] for r in rows] == [len(a) for a in adv]
     # On-policy step: ratio 1, the clipped surrogate is -mean(advantage) over trained tokens.
     assert rows[0]["loss"] == pytest.approx(-sum(adv[0]) / len(adv[0]), rel=1e-5, abs=1e-6)
+
+
+def test_under_torchrun(quick, workdir):
+    p = quick["torchrun"].result()
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(workdir / "torchrun_metrics.jsonl")
+    assert [r["step"] for r in rows] == [1]  # the stale row is gone
+    assert math.isfinite(rows[0]["loss"]) and rows[0]["tokens"] == 4 * 64
+    assert "1 rank(s) on cpu, ep=1" in p.stdout
 
 
 # ---- the shipped CPU demo --------------------------------------------------------------------

@@ -255,7 +255,7 @@ def test_grpo_nan_old_is_on_policy(gen):
     cfg = LossConfig()
     lp, labels, adv, old, _ = _inputs(gen)
     old = torch.full_like(old, float("nan"))
-    old[1, 2] = float(lp[1, 2]) + 0.1  # one token with a supplied rollout log-prob
+    old[1, 2] = float(lp.detach()[1, 2]) + 0.1  # one token with a supplied rollout log-prob
     labels[1, 2] = 4
     n = 29
     loss, stats = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=n)
@@ -279,7 +279,7 @@ def test_sft(gen):
     lp, labels, adv, old, _ = _inputs(gen)
     mask = labels != IGNORE
     loss, _ = policy_loss(cfg, lp, None, labels, adv, old, global_tokens=17)
-    assert math.isclose(float(loss.detach()), -float(lp[mask].sum()) / 17, rel_tol=1e-12)
+    assert math.isclose(float(loss.detach()), -float(lp.detach()[mask].sum()) / 17, rel_tol=1e-12)
     loss.backward()
     torch.testing.assert_close(lp.grad, -mask.double() / 17, atol=0, rtol=0)
 
@@ -296,7 +296,7 @@ def test_entropy_bonus(gen, kind):
     assert math.isclose(float(with_ent.detach()), float(base.detach()) - 0.03 * ent_mean, rel_tol=1e-12)
     assert math.isclose(float(stats["entropy"]), float(ent[mask].sum()), rel_tol=1e-12)
     assert math.isclose(float(stats0["entropy"]), float(ent[mask].sum()), rel_tol=1e-12)
-    assert math.isclose(float(stats["logprob_sum"]), float(lp[mask].sum()), rel_tol=1e-12)
+    assert math.isclose(float(stats["logprob_sum"]), float(lp.detach()[mask].sum()), rel_tol=1e-12)
     ent_g = ent.clone().requires_grad_(True)
     loss, _ = policy_loss(LossConfig(type=kind, entropy_coef=0.03), lp, ent_g, labels, adv, old, n)
     loss.backward()

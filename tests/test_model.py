@@ -197,11 +197,13 @@ def test_transformer_is_causal(gen):
             changed[:, p] = (ids[:, p] + 1 + torch.randint(0, V - 1, (B,), generator=gen)) % V
             assert (changed[:, p] != ids[:, p]).all()
             lp, _, _ = model(changed, labels)
-            torch.testing.assert_close(lp[:, :p], base[:, :p], atol=1e-6, rtol=0)
+            # Earlier positions differ only by fp32 summation order (expert rows regroup when a
+            # token's routing changes): ~1e-6 on log-probs near -6; real leaks are >1e-3.
+            torch.testing.assert_close(lp[:, :p], base[:, :p], atol=2e-5, rtol=0)
             diff = (lp[:, p:] - base[:, p:]).abs()
-            assert diff[:, 0].min() > 1e-6  # position p sees the changed token directly
+            assert diff[:, 0].min() > 1e-4  # position p sees the changed token directly
             if p + 1 < S:
-                assert diff[:, 1:].max() > 1e-6  # later positions see it through attention
+                assert diff[:, 1:].max() > 1e-3  # later positions see it through attention
 
 
 # ---- router ----------------------------------------------------------------------------------

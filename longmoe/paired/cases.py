@@ -13,6 +13,7 @@ from longmoe.backends import active_backend
 from longmoe.config import get_preset
 from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm
 from longmoe.ops.linear_ce import LINEAR_CE, linear_cross_entropy, linear_logprobs
+from longmoe.ops.linear_ce_fused import POLICY_LOSS, linear_policy_loss
 from longmoe.ops.recompute import apply_recompute
 from longmoe.paired.harness import TOLERANCE, PairedResult
 from longmoe.paired.memtrack import measure
@@ -56,6 +57,42 @@ def linear_ce_case(impl="auto", seed=0, T=47, H=31, V=123, dtype=torch.float32, 
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
     _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("naive", dtype), backend, 3)
     res.info["logits_bytes"] = T * V * 4
+    return res
+
+
+def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32, chunk_tokens=8,
+                     entropy_coef=0.01, device=None) -> PairedResult:
+    """The fused GRPO/PPO loss (gradients computed in the forward) against the naive
+    log-softmax reference; ratios are spread so both clip sides and on-policy tokens occur."""
+    backend = active_backend()
+    device = device or backend.device(0)
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(T, H, generator=g) * 0.5).to(device)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(device)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[torch.randperm(T, generator=g)[: max(1, T // 6)]] = -100
+    y = y.to(device)
+    adv = torch.randn(T, generator=g).to(device)
+    with torch.no_grad():
+        lp0, _ = linear_logprobs(h.double(), w.double(), y, impl="naive")
+    old = (lp0 + 0.4 * torch.randn(T, generator=g, dtype=torch.float64).to(device)).float()
+    old[torch.randperm(T, generator=g)[: T // 5].to(device)] = float("nan")  # on-policy tokens
+    name = POLICY_LOSS.select(impl, h, w, y).name
+
+    def run(which, dt):
+        hh, ww = h.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+        loss, lp, ent = linear_policy_loss(hh, ww, y, adv.to(dt), old.to(dt), entropy_coef=entropy_coef,
+                                           impl=which, chunk_tokens=chunk_tokens)
+        dh, dw = torch.autograd.grad(loss * 1.3, [hh, ww])
+        return loss.detach(), lp, ent, dh, dw
+
+    res = PairedResult("policy_loss", name, "reference", TOLERANCE[dtype],
+                       info={"T": T, "H": H, "V": V, "dtype": str(dtype), "seed": seed})
+    for k, a, b in zip(("loss", "logprobs", "entropy", "dH", "dW"), run(name, dtype),
+                       run("reference", _ref_dtype(dtype))):
+        res.add(k, a, b)
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
 
 

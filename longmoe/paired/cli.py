@@ -12,7 +12,7 @@ from rich.table import Table
 
 from longmoe.errors import UserError
 
-PRIMITIVES = ("linear_ce", "grouped_mm", "recompute", "ep", "fsdp", "step")
+PRIMITIVES = ("linear_ce", "policy_loss", "grouped_mm", "recompute", "ep", "fsdp", "step")
 
 
 def run_paired(primitive: str, impl: str = "auto", nproc: int = 2, seed: int | None = None):
@@ -28,6 +28,8 @@ def run_paired(primitive: str, impl: str = "auto", nproc: int = 2, seed: int | N
     try:
         if primitive == "linear_ce":
             return cases.linear_ce_case(impl, seed)
+        if primitive == "policy_loss":
+            return cases.policy_loss_case(impl, seed)
         if primitive == "grouped_mm":
             return cases.grouped_mm_case(impl, seed)
         if primitive == "recompute":

@@ -76,12 +76,19 @@ def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, m
     _barrier()
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "ep": ep}, indent=1))
+        # Re-saving a step: move the old copy aside first, so some complete copy is always named
+        # by `latest` (the old one until the rename, the new one after).
+        old = root / f"step-{step:08d}.tmp-old-{nonce[0]}"
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, old)
+            latest_tmp = root / f"latest.tmp-{nonce[0]}"
+            latest_tmp.write_text(old.name)
+            os.replace(latest_tmp, root / "latest")
         os.replace(tmp, final)
         latest_tmp = root / f"latest.tmp-{nonce[0]}"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
@@ -100,7 +107,8 @@ def latest(ckpt_dir: str | Path) -> Path | None:
 def check_compatible(path: Path, model_cfg: dict, ep: int):
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("model") != model_cfg:
-        diff = sorted(k for k in model_cfg if meta.get("model", {}).get(k) != model_cfg[k])
+        saved = meta.get("model") or {}
+        diff = sorted(k for k in set(model_cfg) | set(saved) if saved.get(k) != model_cfg.get(k))
         raise UserError(f"checkpoint {path}: model differs from the config in {', '.join(diff)}")
     if meta.get("ep") != ep:
         raise UserError(f"checkpoint {path}: saved with ep={meta.get('ep')}, run has ep={ep} "

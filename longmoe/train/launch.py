@@ -54,6 +54,12 @@ def check_resume(run: RunConfig, opts: RunOptions):
         ckpt.check_compatible(path, model_meta, run.parallel.ep)
 
 
+def _fresh_metrics(opts: RunOptions):
+    """A new run starts its metrics file empty; a resumed one appends to it."""
+    if opts.metrics_out and os.path.exists(opts.metrics_out) and not opts.resume:
+        os.remove(opts.metrics_out)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,6 +71,8 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
         world = int(os.environ["WORLD_SIZE"])
         backend = validate(run, world)
         check_resume(run, opts)
+        if int(os.environ["RANK"]) == 0:  # the only writer of the metrics file
+            _fresh_metrics(opts)
         local = int(os.environ.get("LOCAL_RANK", 0))
         init_distributed(backend, int(os.environ["RANK"]), world, local)
         import torch.distributed as dist
@@ -75,8 +83,7 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
         return 0
     validate(run, nproc)
     check_resume(run, opts)
-    if opts.metrics_out and os.path.exists(opts.metrics_out) and not opts.resume:
-        os.remove(opts.metrics_out)
+    _fresh_metrics(opts)
     port = _free_port()
     if nproc == 1:
         rank_main(0, 1, run, opts, port)

@@ -72,6 +72,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
             ckpt.check_compatible(path, model_meta, layout.ep)
             meta = ckpt.load(path, model, optim, layout.ep_rank, layout.ep, backend)
             start = meta["step"]
+            for _ in range(start):
+                sched.step()
             progress.info(f"resumed from {path} at step {start}")
         else:
             progress.info(f"no checkpoint in {opts.checkpoint_dir}; starting fresh")

@@ -1,0 +1,1 @@
+"""Benchmarks behind `longmoe bench`; results are committed as JSON with device, versions and date."""

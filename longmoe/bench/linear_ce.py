@@ -1,0 +1,158 @@
+"""`longmoe bench linear-ce`: linear cross-entropy forward+backward, ours against torch naive,
+liger-kernel and cut-cross-entropy, with the 6*T*H*V GEMM floor measured in the same run.
+
+Per (impl, T): median fwd+bwd ms over timed iterations after warm-up (device events), extra peak
+memory over the inputs and their gradients, and the loss (agreement across impls). Peers are
+optional imports: a missing one is recorded as "missing", an OOM as "oom".
+
+Legend: T tokens, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from longmoe.backends import active_backend
+
+
+def _peers():
+    """name -> fn(h, w, y) returning a scalar loss with autograd (mean over tokens)."""
+    from longmoe.ops import linear_cross_entropy, linear_policy_loss
+
+    def ours(impl, chunk=None):
+        return lambda h, w, y: linear_cross_entropy(h, w, y, impl=impl, chunk_tokens=chunk)
+
+    def ours_rl(chunk=None):
+        def fn(h, w, y):
+            g = torch.Generator(device=h.device).manual_seed(0)
+            adv = torch.randn(y.shape, device=h.device, generator=g)
+            old = torch.full(y.shape, float("nan"), device=h.device)  # on-policy tokens
+            impl = "fused" if h.device.type != "cpu" else "fused_torch"
+            return linear_policy_loss(h, w, y, adv, old, entropy_coef=0.0, impl=impl,
+                                      chunk_tokens=chunk)[0]
+        return fn
+
+    def naive(h, w, y):
+        return torch.nn.functional.cross_entropy((h @ w.T).float(), y)
+
+    def liger():
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        mod = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: mod(w, h, y)
+
+    def cce():
+        from cut_cross_entropy import linear_cross_entropy as cce_fn
+        return lambda h, w, y: cce_fn(h, w, y)
+
+    return {"ours": ours, "ours_rl": ours_rl, "naive": naive, "liger": liger, "cce": cce}
+
+
+def _gemm_rate(backend, dtype, device, H, V) -> float:
+    """bf16 GEMM FLOP/s at the op's own shape class ([8192, H] @ [H, V])."""
+    a = torch.randn(8192, H, dtype=dtype, device=device)
+    b = torch.randn(V, H, dtype=dtype, device=device)
+    for _ in range(3):
+        torch.mm(a, b.T)
+    times = []
+    for _ in range(10):
+        t = backend.timer().start()
+        torch.mm(a, b.T)
+        times.append(t.stop())
+    return 2 * 8192 * H * V / (statistics.median(times) / 1e3)
+
+
+def _run_one(fn, h, w, y, backend, warmup: int, iters: int) -> dict:
+    grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
+    for _ in range(warmup):
+        h.grad = w.grad = None
+        fn(h, w, y).backward()
+    backend.synchronize()
+    h.grad = w.grad = None
+    base = backend.memory_allocated()
+    backend.reset_peak_memory()
+    times, loss = [], None
+    for _ in range(iters):
+        h.grad = w.grad = None
+        t = backend.timer().start()
+        loss = fn(h, w, y)
+        loss.backward()
+        times.append(t.stop())
+    peak = backend.peak_memory_bytes() - base - grad_bytes
+    return {"ms": statistics.median(times), "ms_all": [round(x, 3) for x in times],
+            "extra_peak_bytes": int(peak), "loss": float(loss)}
+
+
+def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: list[str] | None = None,
+              chunks: list[int] | None = None, warmup: int = 2, iters: int = 5) -> dict:
+    backend = active_backend()
+    device = backend.device(0)
+    impls = impls or ["ours", "ours_rl", "naive", "liger", "cce"]
+    peers = _peers()
+    rate = _gemm_rate(backend, dtype, device, H, V) if device.type != "cpu" else None
+    results = []
+    for T in tokens:
+        g = torch.Generator(device=device).manual_seed(T)
+        h = (torch.randn(T, H, device=device, generator=g) * 0.5).to(dtype).requires_grad_()
+        w = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
+        y = torch.randint(0, V, (T,), device=device, generator=g)
+        floor_ms = 6 * T * H * V / rate * 1e3 if rate else None
+        for name in impls:
+            variants = [(c, {"chunk": c}) for c in (chunks or [None])] if name in ("ours", "ours_rl") else [(None, {})]
+            for chunk, kw in variants:
+                row = {"impl": name, "T": T, "H": H, "V": V, "chunk_tokens": chunk,
+                       "floor_ms": floor_ms}
+                try:
+                    if name == "ours":
+                        fn = peers[name]("triton" if device.type != "cpu" else "chunked", **kw)
+                    elif name == "ours_rl":
+                        fn = peers[name](**kw)
+                    elif name == "naive":
+                        fn = peers[name]
+                    else:
+                        fn = peers[name]()
+                    row.update(_run_one(fn, h, w, y, backend, warmup, iters))
+                    if floor_ms:
+                        row["x_floor"] = row["ms"] / floor_ms
+                    row["status"] = "ok"
+                except ImportError as e:
+                    row["status"] = f"missing: {e.name or e}"
+                except torch.OutOfMemoryError:
+                    row["status"] = "oom"
+                except Exception as e:  # a peer that cannot run here; ours must not fail
+                    if name in ("ours", "ours_rl"):
+                        raise
+                    row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                finally:
+                    h.grad = w.grad = None
+                    backend.empty_cache()
+                results.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
+        del h, w, y
+    return {"benchmark": "linear-ce", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": backend.probe(), "versions": backend.versions(), "dtype": str(dtype),
+            "gemm_tflops": rate / 1e12 if rate else None, "warmup": warmup, "iters": iters,
+            "results": results}
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| T | impl | chunk | ms | x floor | extra peak GiB | loss |", "|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['T']} | {r['impl']} | {r.get('chunk_tokens') or ''} | {r['status']} | | | |")
+            continue
+        xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
+        lines.append(f"| {r['T']} | {r['impl']} | {r.get('chunk_tokens') or 'auto'} | {r['ms']:.1f} | {xf} | "
+                     f"{r['extra_peak_bytes'] / 2**30:.2f} | {r['loss']:.5f} |")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: str | None):
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+    print(markdown_table(report))
