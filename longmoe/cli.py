@@ -70,7 +70,7 @@ def _cmd_bench(a) -> int:
     else:
         tokens, H, V, iters = _ints(a.tokens, "--tokens"), a.hidden, a.vocab, a.iters
     impls = a.impls.split(",") if a.impls else None
-    chunks = _ints(a.chunks, "--chunks") if a.chunks else None
+    chunks = [int(x) for x in a.chunks.split(",")] if a.chunks else None
     report = run_bench(tokens, H, V, dtype, impls, chunks, iters=iters)
     write_report(report, a.out)
     return 0
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--vocab", type=int, default=248320)
     bl.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     bl.add_argument("--impls", help="comma list of ours,ours_rl,naive,liger,cce (default: all)")
-    bl.add_argument("--chunks", help="comma list of chunk sizes (tokens) to sweep for ours")
+    bl.add_argument("--chunks", help="comma list of chunk sizes (tokens) to sweep for ours; 0 = default")
     bl.add_argument("--iters", type=int, default=5)
     bl.add_argument("--out", help="write the JSON report here")
     bl.add_argument("--smoke", action="store_true", help="tiny shapes: check the bench runs")

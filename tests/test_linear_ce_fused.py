@@ -74,7 +74,8 @@ def test_policy_loss_bad_shapes():
 @pytest.mark.parametrize("primitive,impl", [("linear_ce", "triton"), ("policy_loss", "fused")])
 def test_triton_kernels_under_interpreter(primitive, impl):
     # The Triton row kernels run on CPU tensors through Triton's interpreter.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1",
+           "LONGMOE_BACKEND": "cpu"}
     out = subprocess.run([sys.executable, "-m", "longmoe", "paired", primitive, "--impl", impl,
                           "--json"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -98,3 +99,14 @@ def test_compile_check_flags_an_over_budget_config():
                                                 "BLOCK_V_GRAD": 8192, "num_warps_grad": 1}}}}
     reports = compile_all("sm_90", table=table, only="ce_row_stats+entropy")
     assert reports and all(not r.ok and r.spills > 0 for r in reports)
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_paths_on_gpu(dtype):
+    from longmoe.paired.cases import linear_ce_case
+    seed = fresh_seed()
+    res = linear_ce_case("triton", seed, T=1031, H=256, V=5003, dtype=dtype, chunk_tokens=300)
+    assert res.ok, (seed, res.failures())
+    res = policy_loss_case("fused", seed, T=1031, H=256, V=5003, dtype=dtype, chunk_tokens=300)
+    assert res.ok, (seed, res.failures())

@@ -102,7 +102,8 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
         y = torch.randint(0, V, (T,), device=device, generator=g)
         floor_ms = 6 * T * H * V / rate * 1e3 if rate else None
         for name in impls:
-            variants = [(c, {"chunk": c}) for c in (chunks or [None])] if name in ("ours", "ours_rl") else [(None, {})]
+            sweep = [c or None for c in (chunks or [0])]  # 0: the default chunk size
+            variants = [(c, {"chunk": c}) for c in sweep] if name in ("ours", "ours_rl") else [(None, {})]
             for chunk, kw in variants:
                 row = {"impl": name, "T": T, "H": H, "V": V, "chunk_tokens": chunk,
                        "floor_ms": floor_ms}
@@ -156,3 +157,35 @@ def write_report(report: dict, out: str | None):
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
     print(markdown_table(report))
+
+
+def profile_breakdown(T: int, H: int, V: int, chunk: int | None, which: str = "ours",
+                      dtype=torch.bfloat16, top: int = 12) -> dict:
+    """Device time per kernel for one fwd+bwd (after warm-up), from torch.profiler: where the
+    time goes (GEMMs, row kernels, dW accumulation) when a target is missed."""
+    from torch.profiler import ProfilerActivity, profile
+    backend = active_backend()
+    device = backend.device(0)
+    g = torch.Generator(device=device).manual_seed(1)
+    h = (torch.randn(T, H, device=device, generator=g) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (T,), device=device, generator=g)
+    peers = _peers()
+    fn = peers["ours"]("triton", chunk) if which == "ours" else peers["ours_rl"](chunk)
+    for _ in range(2):
+        h.grad = w.grad = None
+        fn(h, w, y).backward()
+    backend.synchronize()
+    # ProfilerActivity.CUDA is torch's name for GPU kernel activity on every GPU build.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        h.grad = w.grad = None
+        fn(h, w, y).backward()
+        backend.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if dev_us and e.device_type.name != "CPU":
+            rows.append({"kernel": e.key[:120], "ms": dev_us / 1e3, "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return {"T": T, "chunk_tokens": chunk, "impl": which, "device_ms_total": total, "top": rows[:top]}
