@@ -24,9 +24,12 @@ from longmoe.ops.registry import Registry
 
 LINEAR_CE = Registry("linear_ce")
 
-# Budget for one fp32 [C, V] tile. The backward holds ~3 such tiles (logits, probs, grad), so the
-# extra peak is about 3x this; 128 MiB keeps it well under the 0.5 GiB target at V=248K.
-CHUNK_BYTES = 128 * 2**20
+# Budget for one fp32 [C, V] logits chunk (plus a bf16 gradient chunk of half its size and an fp32
+# weight-gradient accumulator). Larger chunks mean bigger GEMMs and fewer passes over the fp32
+# dW accumulator; measured on H200 at T=32K, V=248,320 (docs/benchmarks/linear_ce.md):
+# 1,024 tokens 1.38x the GEMM floor (+3.3 GiB), 2,048 1.26x (+4.7 GiB), 4,096 1.24x (+7.6 GiB).
+# 2 GiB (2,162 tokens at that vocab) is the knee; `impl.ce_chunk_tokens` overrides it.
+CHUNK_BYTES = 2 * 2**30
 
 
 def default_chunk_tokens(num_tokens: int, vocab: int, budget: int = CHUNK_BYTES) -> int:

@@ -39,8 +39,9 @@ def linear_ce_case(impl="auto", seed=0, T=47, H=31, V=123, dtype=torch.float32, 
     name = LINEAR_CE.select(impl, h, w, y).name
 
     def run(which, dt):
-        hh = h.to(dt).requires_grad_()
-        ww = w.to(dt).requires_grad_()
+        # Both sides see the candidate-dtype inputs; the reference only computes in higher precision.
+        hh = h.to(dtype).to(dt).requires_grad_()
+        ww = w.to(dtype).to(dt).requires_grad_()
         lp, ent = linear_logprobs(hh, ww, y, with_entropy=True, impl=which, chunk_tokens=chunk_tokens)
         ce = linear_cross_entropy(hh, ww, y, impl=which, chunk_tokens=chunk_tokens)
         obj = (lp * c_lp.to(lp.dtype)).sum() + (ent * c_ent.to(ent.dtype)).sum() + ce
@@ -80,7 +81,7 @@ def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32
     name = POLICY_LOSS.select(impl, h, w, y).name
 
     def run(which, dt):
-        hh, ww = h.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+        hh, ww = h.to(dtype).to(dt).requires_grad_(), w.to(dtype).to(dt).requires_grad_()
         loss, lp, ent = linear_policy_loss(hh, ww, y, adv.to(dt), old.to(dt), entropy_coef=entropy_coef,
                                            impl=which, chunk_tokens=chunk_tokens)
         dh, dw = torch.autograd.grad(loss * 1.3, [hh, ww])
@@ -108,7 +109,7 @@ def grouped_mm_case(impl="auto", seed=0, sizes=(5, 0, 17, 1, 9), K=32, N=48,
     name = GROUPED_MM.select(impl, x.to(dtype), w.to(dtype), list(sizes)).name
 
     def run(which, dt):
-        xx, ww = x.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+        xx, ww = x.to(dtype).to(dt).requires_grad_(), w.to(dtype).to(dt).requires_grad_()
         out = grouped_mm(xx, ww, list(sizes), impl=which)
         dx, dw = torch.autograd.grad((out * c.to(dt)).sum(), [xx, ww])
         return out, dx, dw
