@@ -190,13 +190,13 @@ def test_transformer_is_causal(gen):
     ids = torch.randint(0, V, (B, S), generator=gen)
     labels = torch.randint(0, V, (B, S), generator=gen)
     with torch.no_grad():
-        base, _, _ = model(ids, labels)
+        base, _, _, _ = model(ids, labels)
         assert base.shape == (B, S) and torch.isfinite(base).all()
         for p in (0, 5, S - 1):
             changed = ids.clone()
             changed[:, p] = (ids[:, p] + 1 + torch.randint(0, V - 1, (B,), generator=gen)) % V
             assert (changed[:, p] != ids[:, p]).all()
-            lp, _, _ = model(changed, labels)
+            lp, _, _, _ = model(changed, labels)
             # Earlier positions differ only by fp32 summation order (expert rows regroup when a
             # token's routing changes): ~1e-6 on log-probs near -6; real leaks are >1e-3.
             torch.testing.assert_close(lp[:, :p], base[:, :p], atol=2e-5, rtol=0)

@@ -15,6 +15,7 @@ from longmoe.config import ModelConfig
 from longmoe.model.layers import Attention, RMSNorm, rope_cos_sin
 from longmoe.model.moe import GroupedExperts, MoE
 from longmoe.ops.linear_ce import linear_logprobs
+from longmoe.ops.linear_ce_fused import linear_policy_loss
 
 
 class Block(nn.Module):
@@ -42,9 +43,19 @@ class LMHead(nn.Module):
         self.impl = "auto"
         self.chunk_tokens: int | None = None  # None: sized from the linear-CE byte budget
 
-    def forward(self, x_BSH, labels_BS, with_entropy: bool = False):
-        return linear_logprobs(self.norm(x_BSH), self.weight, labels_BS, with_entropy=with_entropy,
-                               impl=self.impl, chunk_tokens=self.chunk_tokens)
+    def forward(self, x_BSH, labels_BS, with_entropy: bool = False, policy: dict | None = None):
+        """(logprobs, entropy or None, loss or None). With `policy` (the keyword arguments of
+        linear_policy_loss: advantages, old_logprobs, clip_low, clip_high, entropy_coef,
+        normalizer, impl) the RL loss is fused into the head: its gradient is computed in the
+        forward and the returned log-probs/entropy are detached, for logging."""
+        h = self.norm(x_BSH)
+        if policy is not None:
+            loss, lp, ent = linear_policy_loss(h, self.weight, labels_BS, chunk_tokens=self.chunk_tokens,
+                                               **policy)
+            return lp, ent, loss
+        lp, ent = linear_logprobs(h, self.weight, labels_BS, with_entropy=with_entropy,
+                                  impl=self.impl, chunk_tokens=self.chunk_tokens)
+        return lp, ent, None
 
 
 class MoETransformer(nn.Module):
@@ -60,8 +71,10 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False):
-        """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar)."""
+    def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False,
+                policy: dict | None = None):
+        """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar, policy loss or
+        None); see LMHead.forward for `policy`."""
         S = input_ids_BS.shape[1]
         if positions_S is None:
             positions_S = torch.arange(S, device=input_ids_BS.device)
@@ -71,8 +84,8 @@ class MoETransformer(nn.Module):
         for layer in self.layers:
             x_BSH, layer_aux = layer(x_BSH, cos, sin)
             aux = aux + layer_aux
-        logprobs, entropy = self.head(x_BSH, labels_BS, with_entropy)
-        return logprobs, entropy, aux
+        logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy)
+        return logprobs, entropy, aux, loss
 
     def init_weights(self, seed: int = 0):
         init_params(self, self.cfg, seed)

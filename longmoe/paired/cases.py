@@ -146,7 +146,7 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None) -> PairedR
     def run(policy):
         m = models[policy]
         m.zero_grad(set_to_none=True)
-        lp, _, aux = m(ids, labels)
+        lp, _, aux, _ = m(ids, labels)
         loss = -lp.mean() + aux
         loss.backward()
         return loss.detach(), {n.replace("block.", ""): p.grad.clone()

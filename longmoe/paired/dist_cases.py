@@ -140,7 +140,7 @@ def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunke
 def reference_run(cand: dict) -> dict:
     ref = {k: dict(v) for k, v in cand.items()}
     ref["parallel"] = {"ep": 1, "chunks": 1, "recompute": "none", "fsdp": False}
-    ref["impl"] = {"linear_ce": "naive", "grouped_mm": "loop"}
+    ref["impl"] = {"linear_ce": "naive", "grouped_mm": "loop", "policy_loss": "unfused"}
     return ref
 
 

@@ -47,6 +47,9 @@ class ImplConfig:
     linear_ce: str = "auto"
     grouped_mm: str = "auto"
     recompute: str = "auto"
+    # GRPO loss inside the LM head with gradients in the forward (auto | fused | fused_torch |
+    # reference), or "unfused": log-probs from linear_ce, then the loss on them.
+    policy_loss: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
 
     def __post_init__(self):

@@ -36,3 +36,15 @@ def policy_loss(cfg: LossConfig, logprobs, entropy, labels, advantages, old_logp
             loss = loss - cfg.entropy_coef * ent
     stats["logprob_sum"] = (logprobs.detach() * mask).sum()
     return loss, stats
+
+
+@torch.no_grad()
+def policy_stats(cfg: LossConfig, logprobs, entropy, batch) -> dict:
+    """The logging sums policy_loss reports, from (detached) fused-path log-probs."""
+    mask = batch.labels != -100
+    old = torch.where(torch.isnan(batch.old_logprobs), logprobs, batch.old_logprobs)
+    ratio = torch.exp(torch.where(mask, logprobs - old, 0.0))
+    s1 = ratio * batch.advantages
+    s2 = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * batch.advantages
+    return {"clip_frac": ((s2 < s1) & mask).sum(), "ratio_sum": (ratio * mask).sum(),
+            "entropy": (entropy * mask).sum(), "logprob_sum": (logprobs * mask).sum()}
