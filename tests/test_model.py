@@ -20,6 +20,16 @@ from longmoe.model.moe import MoE, Router
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tensors here are tiny: a second intra-op thread only adds sync, and on a busy 2-core runner
+    # it made this file 4x slower (3 s -> 12 s). Restored afterwards for the other test files.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def gen():
     # Fresh inputs every run; failures print gen.initial_seed() to reproduce.
