@@ -68,6 +68,12 @@ class ModelConfig:
         if self.rotary_dim % 2:
             raise ConfigError("model.partial_rotary_factor",
                               f"rotates {self.rotary_dim} dims of head_dim={self.head_dim}; must be even")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError("model.layer_types", f"has {len(self.layer_types)} entries for "
+                                                   f"num_layers={self.num_layers}")
+        for name in ("rms_norm_eps", "rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(self, name)!r}")
         if self.shared_expert_ffn_size < 0:
             raise ConfigError("model.shared_expert_ffn_size", "must be >= 0")
         for name in ("router_aux_loss_coef", "expert_bias_rate"):
@@ -112,8 +118,10 @@ def from_dict(d: dict[str, Any], prefix: str = "model") -> ModelConfig:
     merged = {**base, **d}
     if num_layers is not None:
         merged["num_layers"] = num_layers
-        lt = merged.get("layer_types") or ()
-        merged["layer_types"] = tuple(lt)[:num_layers] if isinstance(num_layers, int) else lt
+        lt = tuple(merged.get("layer_types") or ())
+        if lt and isinstance(num_layers, int) and num_layers > 0:
+            lt = tuple(lt[i % len(lt)] for i in range(num_layers))  # truncate, or repeat the pattern
+        merged["layer_types"] = lt
     if "layer_types" in merged:
         merged["layer_types"] = tuple(merged["layer_types"])
     return ModelConfig(**merged)
@@ -172,6 +180,8 @@ def from_hf_config(path: str | Path, num_layers: int | None = None) -> ModelConf
         raise ConfigError("model.hf_config", f"{path} does not exist") from None
     except json.JSONDecodeError as e:
         raise ConfigError("model.hf_config", f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("model.hf_config", f"{path}: top level must be a JSON object")
     mt = raw.get("model_type")
     text = raw.get("text_config", raw) if mt in ("qwen3_5_moe",) else raw
     if mt not in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):

@@ -5,6 +5,7 @@ dataclasses. Unknown fields and impossible values are rejected by name before an
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -196,11 +197,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def _parse_value(text: str):
     value = yaml.safe_load(text)
-    if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    # YAML 1.1 reads "1e-3" as a string; only digit-based literals become floats (not "nan").
+    if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value.strip()):
+        return float(value)
     return value
 
 
