@@ -160,7 +160,7 @@ def write_report(report: dict, out: str | None):
 
 
 def profile_breakdown(T: int, H: int, V: int, chunk: int | None, which: str = "ours",
-                      dtype=torch.bfloat16, top: int = 12) -> dict:
+                      dtype=torch.bfloat16, top: int = 12, trace: str | None = None) -> dict:
     """Device time per kernel for one fwd+bwd (after warm-up), from torch.profiler: where the
     time goes (GEMMs, row kernels, dW accumulation) when a target is missed."""
     from torch.profiler import ProfilerActivity, profile
@@ -181,6 +181,8 @@ def profile_breakdown(T: int, H: int, V: int, chunk: int | None, which: str = "o
         h.grad = w.grad = None
         fn(h, w, y).backward()
         backend.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     rows = []
     for e in prof.key_averages():
         dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
