@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 from dataclasses import asdict
 
 import torch.multiprocessing as mp
@@ -60,10 +60,12 @@ def _fresh_metrics(opts: RunOptions):
         os.remove(opts.metrics_out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_file() -> str:
+    """A path that does not exist yet, for a FileStore rendezvous unique to this launch."""
+    fd, path = tempfile.mkstemp(prefix="longmoe-rdzv-")
+    os.close(fd)
+    os.unlink(path)
+    return path
 
 
 def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
@@ -84,10 +86,14 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
     validate(run, nproc)
     check_resume(run, opts)
     _fresh_metrics(opts)
-    port = _free_port()
-    if nproc == 1:
-        rank_main(0, 1, run, opts, port)
-        return 0
-    mp.start_processes(rank_main, args=(nproc, run, opts, port), nprocs=nproc,
-                       start_method="spawn", join=True)
+    rdzv = rendezvous_file()
+    try:
+        if nproc == 1:
+            rank_main(0, 1, run, opts, rdzv)
+        else:
+            mp.start_processes(rank_main, args=(nproc, run, opts, rdzv), nprocs=nproc,
+                               start_method="spawn", join=True)
+    finally:
+        if os.path.exists(rdzv):
+            os.unlink(rdzv)
     return 0

@@ -4,7 +4,6 @@ batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW,
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -33,10 +32,12 @@ def resolve_backend(device: str) -> Backend:
     return active_backend() if device == "auto" else get_backend(device)
 
 
-def init_distributed(backend: Backend, rank: int, world: int, local_rank: int):
+def init_distributed(backend: Backend, rank: int, world: int, local_rank: int,
+                     init_method: str | None = None):
     backend.apply_collective_env()
     backend.set_device(local_rank)
-    dist.init_process_group(backend.dist_backend, rank=rank, world_size=world,
+    dist.init_process_group(backend.dist_backend, init_method=init_method, rank=rank,
+                            world_size=world,
                             device_id=backend.device(local_rank) if backend.device_type != "cpu"
                             else None)
 
@@ -121,13 +122,14 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     return progress.summary({"world": world, "backend": backend.name})
 
 
-def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, port: int):
-    """Entry of a spawned rank (single node: rank == local_rank)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, rendezvous: str):
+    """Entry of a spawned rank (single node: rank == local_rank). `rendezvous` is a file path
+    unique to this launch: a file store cannot collide with another job the way a probed
+    free TCP port can when several launches start at once."""
     backend = resolve_backend(run.train.device)
-    init_distributed(backend, local_rank, world, local_rank)
+    init_distributed(backend, local_rank, world, local_rank, f"file://{rendezvous}")
     try:
         train(run, opts, backend, backend.device(local_rank))
+        dist.barrier()  # leave together: a rank tearing down gloo under a busy peer aborts it
     finally:
         dist.destroy_process_group()

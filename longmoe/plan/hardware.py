@@ -1,0 +1,58 @@
+"""Accelerator profiles: data in hardware.json (each figure with its source), read here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from longmoe.errors import UserError
+
+_FILE = Path(__file__).with_name("hardware.json")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    key: str
+    name: str
+    arch: str
+    bf16_dense_tflops: float
+    hbm_gb: float
+    usable_gib: float
+    hbm_tb_s: float
+    gpus_per_node: int
+    intra_node_fabric: str
+    intra_node_gb_s: float
+    inter_node_gb_s: float
+    simd_width: int
+    unconfirmed: tuple[str, ...] = ()
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.usable_gib * GiB)
+
+
+@lru_cache(maxsize=1)
+def _raw() -> dict:
+    return json.loads(_FILE.read_text())
+
+
+def names() -> list[str]:
+    return sorted(_raw()["profiles"])
+
+
+def get_hardware(name: str) -> Hardware:
+    raw = _raw()
+    key = name.strip().lower()
+    key = raw["aliases"].get(key, key)
+    if key not in raw["profiles"]:
+        raise UserError(f"--hardware: unknown hardware {name!r}; valid: {', '.join(names())}")
+    p = raw["profiles"][key]
+    return Hardware(key=key, name=p["name"], arch=p["arch"],
+                    bf16_dense_tflops=p["bf16_dense_tflops"], hbm_gb=p["hbm_gb"],
+                    usable_gib=p["usable_gib"], hbm_tb_s=p["hbm_tb_s"],
+                    gpus_per_node=p["gpus_per_node"], intra_node_fabric=p["intra_node_fabric"],
+                    intra_node_gb_s=p["intra_node_gb_s"], inter_node_gb_s=p["inter_node_gb_s"],
+                    simd_width=p["simd_width"], unconfirmed=tuple(p.get("unconfirmed", ())))

@@ -1,0 +1,365 @@
+"""Per-rank peak-memory estimate for a (TP, PP, EP, CP) layout of a ModelConfig.
+
+The estimate is a sum of named terms, each a formula over the model's shapes, so a reader can
+check any line against the code it models (longmoe.model, longmoe.parallel.fsdp) and against a
+measured peak. Legend: T tokens on a rank in one micro-batch (seq_len * micro_batch / (CP * TP),
+sequence-parallel under TP), H hidden, V vocab, E experts, K top-k, F expert FFN width, Fs shared
+expert width, n*d query width, kv*d key/value width, L layers on the pipeline stage.
+
+What is modelled (and why):
+  static     parameters, gradients and AdamW state. FSDP2 shards all three over every rank of
+             the stage (dense) or over the ranks holding the same experts (expert-data-parallel);
+             Megatron's distributed optimizer ("dist_opt", ZeRO-1) keeps bf16 params and main
+             grads whole and shards only the fp32 master + moments.
+  stored     activations kept between forward and backward: full recompute keeps each layer's
+             input; selective also keeps the attention side and recomputes the MoE (dispatch,
+             expert FFN); none keeps everything. Under 1F1B the first stage holds PP micro-batches.
+  working    the one layer being recomputed and differentiated: its saved set plus the gradient
+             buffers alive together; attention is SDPA/flash, so there is no S^2 term.
+  dispatch   routed-row buffers of the MoE all-to-all (x K rows per token, scaled by expert load
+             imbalance on the busiest rank); chunked EP keeps one chunk of them alive at a time.
+  logits     naive: fp32 [T, V/TP] logits and their gradient (plus fp32 copies of W and dW);
+             linear CE: one fp32 [C, V/TP] chunk, its bf16 gradient and the fp32 dW accumulator.
+  comm       FSDP2 all-gather/reduce-scatter buffers (current + prefetched unit), the LM head kept
+             unsharded after forward, pipeline send/recv and CP key/value exchange buffers.
+  margin     caching-allocator fragmentation, a fraction of the dynamic bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from longmoe.config import ModelConfig
+from longmoe.errors import ConfigError
+
+GiB = 2**30
+RECOMPUTE = ("none", "selective", "full")
+SHARDING = ("fsdp2", "dist_opt")
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks of one pipeline stage holding the same dense shard (data x context)."""
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: ranks that see different sequences."""
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Ranks of one stage holding the same experts (expert tensor parallel is 1)."""
+        return self.gpus // (self.pp * self.ep)
+
+    @property
+    def label(self) -> str:
+        return f"TP{self.tp}·PP{self.pp}·EP{self.ep}·CP{self.cp}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int                    # tokens of one sequence, shared by the CP x TP ranks
+    micro_batch: int = 1            # sequences per micro-batch per data-parallel replica
+    recompute: str = "full"         # none | selective | full
+    sharding: str = "fsdp2"         # fsdp2 | dist_opt
+    linear_ce: bool = True          # False: naive fp32 [T, V] logits
+    ce_chunk_tokens: int = 0        # 0: the runtime's default (a 2 GiB fp32 logits chunk)
+    ep_chunks: int = 0              # chunked EP; 0: longmoe.tuning.default_chunks(T)
+
+    def __post_init__(self):
+        if self.seq_len < 1 or self.micro_batch < 1:
+            raise ConfigError("workload", "seq_len and micro_batch must be >= 1")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError("recompute", f"must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.sharding not in SHARDING:
+            raise ConfigError("sharding", f"must be one of {SHARDING}, got {self.sharding!r}")
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Byte widths and the few constants that are not shapes; each says where it comes from."""
+    compute_bytes: int = 2          # bf16 activations and gathered params (param_dtype)
+    master_bytes: int = 4           # fp32 sharded params (FSDP2) / master copy (dist_opt)
+    grad_bytes: int = 4             # fp32 sharded grads (FSDP2 reduce_dtype) / Megatron main grads
+    adam_bytes: int = 8             # AdamW exp_avg + exp_avg_sq in fp32
+    # Busiest EP rank's routed rows over the mean. Real RL batches are not balanced (the seeds
+    # saw rank-max memory rise with imbalance without quantifying it); 1.25 is our assumption.
+    moe_imbalance: float = 1.25
+    # Caching-allocator fragmentation over the dynamic bytes: variable-size MoE buffers leave
+    # holes. 0.10 is a planning figure, not a measurement.
+    fragmentation: float = 0.10
+    # Per-rank memory the allocator never sees: CUDA/HIP context, NCCL/RCCL channels. Budgeted
+    # by the planner, not counted in `peak`.
+    context_gib: float = 3.0
+    # dist_opt keeps its grad-reduce buckets; FSDP2 buffers are counted per unit instead.
+    dist_opt_bucket_bytes: int = 512 * 2**20
+
+
+def param_split(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts by where they live: per-layer dense/expert, embedding, head."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q_out = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)
+    attn = h * q_out + 2 * h * cfg.num_kv_heads * hd + cfg.num_heads * hd * h
+    attn += 2 * hd if cfg.qk_norm else 0
+    fs = cfg.shared_expert_ffn_size
+    shared = 3 * h * fs + h if fs else 0
+    layer_dense = attn + shared + h * cfg.num_experts + 2 * h
+    layer_experts = cfg.num_experts * 3 * h * cfg.moe_ffn_size
+    return {"layer_dense": layer_dense, "layer_experts": layer_experts,
+            "embed": cfg.vocab_size * h, "head": cfg.vocab_size * h + h}
+
+
+def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[str, float]:
+    """Bytes per token (dense parts) and per routed row (MoE dispatch), counted from what
+    longmoe.model saves for backward: RMSNorm keeps its fp32 input and normalised output, q/k
+    norms are per-head RMSNorms, SDPA keeps q, k, v, out and an fp32 log-sum-exp per head."""
+    b = a.compute_bytes
+    H, E, F, Fs = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size, cfg.shared_expert_ffn_size
+    nd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    norm = 8 * H + b * H                                    # fp32 x and x*rsqrt, bf16 output
+    qk_norm = 8 * (nd + kd) if cfg.qk_norm else 0
+    gate = 2 * b * nd if cfg.attn_output_gate else 0        # gate and sigmoid(gate)
+    attn = (norm + qk_norm + gate
+            + 2 * b * (nd + kd)                             # rope inputs and outputs
+            + b * (nd + 2 * kd) + b * nd + 4 * cfg.num_heads  # SDPA: q, k, v, out, lse
+            + 2 * b * nd)                                   # gated output, o_proj input
+    moe_dense = (norm + 4 * H + 4 * E                       # fp32 router input and probs
+                 + (5 * b * Fs + b * H if Fs else 0))       # shared expert FFN and its gate
+    # Per routed row: the grouped-GEMM input, the [2F] up/gate output, silu and product, and the
+    # combined output kept for the routing-weight multiply.
+    routed_saved = 2 * b * H + 4 * b * F
+    # Alive only around the dispatch/combine: the all-to-all send/recv copies and, in backward,
+    # their gradients (three H-wide copies and the FFN gradient at once).
+    routed_transient = 3 * b * H + 2 * b * F
+    return {"layer_input": b * H, "attn": attn, "moe_dense": moe_dense,
+            "routed_saved": routed_saved, "routed_transient": routed_transient}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """The terms alive together at the rank's peak moment (`phase`), so `peak` is their sum.
+    FSDP2 gradients grow as backward proceeds while stored activations are freed, and the
+    LM head's buffers are gone before the layers' backward starts: the phases differ."""
+    layout: Layout
+    workload: Workload
+    stage: str                      # the pipeline stage that peaks: "only", "first" or "last"
+    phase: str                      # "LM head", "layer backward", "embedding backward", "step"
+    local_tokens: int               # T
+    params: int
+    grads: int
+    optimizer: int
+    activations: int                # stored between forward and backward
+    working: int                    # the layer in backward (attention + MoE dense side)
+    dispatch: int                   # MoE routed-row buffers
+    logits: int
+    comm: int
+    margin: int
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def static(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def dynamic(self) -> int:
+        return self.activations + self.working + self.dispatch + self.logits + self.comm
+
+    @property
+    def peak(self) -> int:
+        return self.static + self.dynamic + self.margin
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        n = self.notes
+        return [
+            ("params", self.params, n.get("params", "")),
+            ("grads", self.grads, n.get("grads", "")),
+            ("optimizer", self.optimizer, n.get("optimizer", "")),
+            ("activations (stored)", self.activations, n.get("activations", "")),
+            ("layer in backward", self.working, n.get("working", "")),
+            ("MoE dispatch buffers", self.dispatch, n.get("dispatch", "")),
+            ("logits / LM head", self.logits, n.get("logits", "")),
+            ("communication buffers", self.comm, n.get("comm", "")),
+            ("allocator margin", self.margin, n.get("margin", "")),
+        ]
+
+    def table(self) -> str:
+        head = (f"per-rank memory, {self.layout.label}, {self.local_tokens:,} tokens/rank; "
+                f"peak in the {self.stage} stage at {self.phase}")
+        out = [head, f"  {'term':<24}{'GiB':>8}  how"]
+        for name, v, note in self.rows():
+            note = note if v or name == "grads" else f"not alive at this moment ({note})"
+            out.append(f"  {name:<24}{v / GiB:>8.2f}  {note}")
+        out.append(f"  {'peak':<24}{self.peak / GiB:>8.2f}  static {self.static / GiB:.2f} + "
+                   f"dynamic {self.dynamic / GiB:.2f} + margin {self.margin / GiB:.2f}")
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        return {"layout": asdict(self.layout), "stage": self.stage, "phase": self.phase,
+                "local_tokens": self.local_tokens,
+                "terms_bytes": {name: v for name, v, _ in self.rows()},
+                "static_bytes": self.static, "dynamic_bytes": self.dynamic,
+                "peak_bytes": self.peak}
+
+
+def local_tokens(layout: Layout, w: Workload) -> int:
+    return max(1, w.seq_len * w.micro_batch // (layout.cp * layout.tp))
+
+
+def ep_chunks_for(w: Workload, tokens: int) -> int:
+    if w.ep_chunks:
+        return min(w.ep_chunks, tokens)
+    from longmoe.tuning import default_chunks
+    return default_chunks(tokens)
+
+
+def _ce_chunk(w: Workload, tokens: int, vocab_local: int) -> int:
+    if w.ce_chunk_tokens:
+        return min(w.ce_chunk_tokens, tokens)
+    # Same rule as longmoe.ops.linear_ce.default_chunk_tokens (not imported: that module needs
+    # torch, and the planner must answer in well under a second).
+    return max(1, min(tokens, 2 * GiB // (4 * vocab_local)))
+
+
+def estimate(cfg: ModelConfig, layout: Layout, w: Workload,
+             a: Assumptions = Assumptions()) -> MemoryBreakdown:
+    """The peak over pipeline stages (first stage: most micro-batches in flight and the
+    embedding; last stage: the LM head). Validity of the layout is checked by the planner."""
+    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    return max((estimate_stage(cfg, layout, w, a, s) for s in stages), key=lambda m: m.peak)
+
+
+def moe_layer_bytes(cfg: ModelConfig, tokens: int, chunks: int, ep: int,
+                    a: Assumptions = Assumptions()) -> int:
+    """One MoE block's forward+backward alone (the seeds' single-layer experiment): its
+    dense-side activations, routed-row buffers, this rank's experts in bf16 and their grads."""
+    act = activation_bytes(cfg, a)
+    rows = tokens * cfg.top_k * a.moe_imbalance
+    dyn = tokens * (act["moe_dense"] + 2 * a.compute_bytes * cfg.hidden_size)
+    dyn += rows * (act["routed_saved"] + act["routed_transient"] / max(1, chunks))
+    weights = param_split(cfg)["layer_experts"] // ep * (a.compute_bytes + a.grad_bytes)
+    return int(dyn * (1 + a.fragmentation) + weights)
+
+
+def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
+                    stage: str) -> MemoryBreakdown:
+    ps, act, b = param_split(cfg), activation_bytes(cfg, a), a.compute_bytes
+    H, L = cfg.hidden_size, -(-cfg.num_layers // lay.pp)   # layers on the fullest stage
+    first, last = stage in ("only", "first"), stage in ("only", "last")
+    fsdp = w.sharding == "fsdp2"
+    n: dict[str, str] = {}
+
+    # ---- static: this rank's dense share (/TP) and experts (/EP, expert TP = 1)
+    layers_dense, layers_exp = L * ps["layer_dense"] / lay.tp, L * ps["layer_experts"] / lay.ep
+    embed = ps["embed"] / lay.tp if first else 0
+    head = ps["head"] / lay.tp if last else 0
+    dense = layers_dense + embed + head
+    if fsdp:
+        shard = lambda d, e: d / lay.dp_cp + e / lay.edp   # noqa: E731
+        params = a.master_bytes * shard(dense, layers_exp)
+        optim = a.adam_bytes * shard(dense, layers_exp)
+        g_head, g_embed = a.grad_bytes * shard(head, 0), a.grad_bytes * shard(embed, 0)
+        g_layers = a.grad_bytes * shard(layers_dense, layers_exp)
+        n["params"] = f"fp32 shards: dense over {lay.dp_cp} ranks, experts over {lay.edp} (FSDP2)"
+        n["optimizer"] = "AdamW moments, fp32, sharded like the params"
+    else:
+        params = b * (dense + layers_exp)
+        optim = (a.master_bytes + a.adam_bytes) * (dense / lay.dp_cp + layers_exp / lay.edp)
+        n["params"] = "bf16, whole on every rank (distributed optimizer)"
+        n["optimizer"] = f"fp32 master + moments: dense over {lay.dp_cp} ranks, experts over {lay.edp}"
+
+    # ---- activations
+    T = local_tokens(lay, w)
+    rows = T * cfg.top_k * a.moe_imbalance                 # routed rows on the busiest rank
+    inflight = lay.pp if (first and lay.pp > 1) else 1     # 1F1B: stage 0 holds PP micro-batches
+    routed = act["routed_saved"] * cfg.top_k * a.moe_imbalance
+    stored_tok = {"full": act["layer_input"],
+                  "selective": act["layer_input"] + act["attn"],
+                  "none": act["attn"] + act["moe_dense"] + routed}[w.recompute]
+    per_mb = L * T * stored_tok
+    n["activations"] = f"{w.recompute} recompute: {stored_tok / 1024:.1f} KiB/token/layer x {L} layers"
+    if w.recompute == "none":      # everything is stored; backward adds gradient buffers only
+        working = T * 2 * b * max(H, cfg.num_heads * cfg.head_dim)
+    else:                          # the recomputed layer's saved set plus gradient buffers
+        side = act["moe_dense"] + (act["attn"] if w.recompute == "full" else 0)
+        working = T * (side + 2 * b * H)
+    n["working"] = "recomputed layer's saved set + gradients" if w.recompute != "none" \
+        else "gradient buffers"
+    chunks = ep_chunks_for(w, T)
+    saved_rows = 0 if w.recompute == "none" else act["routed_saved"]
+    dispatch = rows * (saved_rows + act["routed_transient"] / chunks)
+    n["dispatch"] = (f"{cfg.top_k} x {a.moe_imbalance} rows/token (top-k x imbalance); "
+                     f"send/recv and their grads in {chunks} chunk(s)")
+
+    # ---- LM head
+    v_loc = -(-cfg.vocab_size // lay.tp)
+    t_head = w.seq_len * w.micro_batch // lay.cp           # TP gathers the tokens for the head
+    if w.linear_ce:
+        c = _ce_chunk(w, t_head, v_loc)
+        logits = v_loc * H * 4 + c * v_loc * 6 + t_head * H * 4
+        n["logits"] = f"linear CE: {c:,}-token fp32 chunk + bf16 grad + fp32 dW, fp32 dH"
+    else:
+        # longmoe's naive path: fp32 copy of W, fp32 [T, V] logits and their gradient, fp32 dW.
+        logits = t_head * v_loc * 8 + v_loc * H * 8 + t_head * H * 4
+        n["logits"] = f"naive: fp32 [{t_head:,} x {v_loc:,}] logits + gradient, fp32 W and dW"
+
+    # ---- communication
+    p2p = 2 * T * H * b if lay.pp > 1 else 0
+    ring = 4 * T * 2 * cfg.num_kv_heads * cfg.head_dim * b if lay.cp > 1 else 0
+    unit = ps["layer_dense"] / lay.tp + ps["layer_experts"] / lay.ep
+    # FSDP2 keeps the root (embedding) unsharded from forward to the end of backward, and the
+    # head from its forward to its backward (longmoe.parallel.fsdp: reshard_after_forward=False).
+    kept, kept_head = (embed * b, head * b) if fsdp else (0, 0)
+
+    phases = []   # (phase, grads, activations, working, dispatch, logits, comm)
+    if fsdp:
+        # The unit being differentiated, gathered in bf16, and its fp32 grad for reduce-scatter;
+        # at the start of backward the next unit is prefetched too (none is left at the end).
+        unit_comm, unit_last = unit * (2 * b + 4), unit * (b + 4)
+        # Backward walks the layers last to first: stored inputs are freed while sharded grads
+        # appear, so their sum peaks at one end. With 1F1B micro-batches in flight (first stage)
+        # the grads of earlier micro-batches are already there and the others' inputs are kept.
+        lay_comm = unit_comm + kept + p2p + ring
+        if inflight == 1:
+            phases.append(("layer backward (start)", g_head, per_mb, working, dispatch, 0, lay_comm))
+            phases.append(("layer backward (end)", g_head + g_layers * (L - 1) / L,
+                           T * stored_tok, working, dispatch, 0, unit_last + kept + p2p + ring))
+        else:
+            g_all = g_layers + g_head + g_embed
+            phases.append(("layer backward", g_all, inflight * per_mb, working, dispatch, 0,
+                           lay_comm))
+        other = (inflight - 1) * per_mb
+        if last:
+            phases.append(("LM head", 0, per_mb, 0, 0, logits, kept + kept_head + p2p))
+        if first:
+            phases.append(("embedding backward", g_layers + g_head + g_embed, other, 0, 0, 0,
+                           kept + embed * (b + 4)))
+        n["comm"] = "FSDP2: layer unit + prefetch (bf16), fp32 grad for reduce-scatter, head/embedding kept whole"
+    else:
+        g = a.grad_bytes * (dense + layers_exp)
+        n["grads"] = f"main grads, {a.grad_bytes} B/param, whole"
+        base = inflight * per_mb
+        comm = a.dist_opt_bucket_bytes + p2p + ring
+        phases.append(("layer backward", g, base, working, dispatch, 0, comm))
+        if last:
+            phases.append(("LM head", g, base, 0, 0, logits, comm))
+        n["comm"] = "gradient reduce buckets, pipeline and CP buffers"
+    n.setdefault("grads", "fp32 shards produced as backward proceeds (FSDP2)")
+    n["margin"] = f"{a.fragmentation:.0%} of the dynamic bytes (allocator fragmentation)"
+
+    best = None
+    for phase, g, acts, wk, dsp, lg, cm in phases:
+        parts = [int(x) for x in (params, g, optim, acts, wk, dsp, lg, cm)]
+        margin = int(a.fragmentation * sum(parts[3:]))
+        m = MemoryBreakdown(lay, w, stage, phase, T, *parts, margin, n)
+        if best is None or m.peak > best.peak:
+            best = m
+    return best

@@ -1,0 +1,240 @@
+"""The recipe planner: one parallel layout, with a reason per choice, in the seeds' order.
+
+  1. EP from the MoE and the topology: 8 by default, no more than the experts allow and the GPUs
+     of one node hold (the all-to-all stays on NVLink/xGMI).
+  2. TP = 1 unless forced: with FSDP2 sharding the state, TP only splits GEMMs thin.
+  3. CP = 1 when the whole sequence fits on a GPU (the MI300X case); otherwise the CP that puts
+     the local sequence in the 16K-32K window (32K first: longer local work hides more overhead).
+  4. PP = 2 only when no CP above fits.
+  5. Anything else that fits in the 4-D grid, smallest peak first, said as such.
+A layout "fits" when its estimated peak is within the budget: usable HBM less the per-rank
+context, less `headroom` (the estimator's own error target, 10%). No plan that the estimator
+predicts to exceed it is ever returned; when none fits, the error names what would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from longmoe.config import ModelConfig
+from longmoe.errors import UserError
+from longmoe.plan.hardware import Hardware
+from longmoe.plan.memory import (GiB, Assumptions, Layout, MemoryBreakdown, Workload, ep_chunks_for,
+                                 estimate)
+
+TP_GRID, PP_GRID, EP_GRID, CP_GRID = (1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8)
+LOCAL_WINDOW = (16384, 32768)      # the seeds' target local sequence per GPU
+EP_DEFAULT = 8
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Cell:
+    layout: Layout
+    verdict: str                    # fits | OOM | invalid
+    why: str
+    memory: MemoryBreakdown | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    hardware: Hardware
+    gpus: int
+    workload: Workload
+    layout: Layout
+    memory: MemoryBreakdown
+    budget_bytes: int
+    reasons: dict
+    ep_chunks: int
+
+    @property
+    def local_seq(self) -> int:
+        return self.workload.seq_len // (self.layout.cp * self.layout.tp)
+
+    def to_dict(self) -> dict:
+        lay, w, m = self.layout, self.workload, self.memory
+        return {"model": self.model, "hardware": self.hardware.key, "gpus": self.gpus,
+                "seq_len": w.seq_len, "micro_batch": w.micro_batch,
+                "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp,
+                "recompute": w.recompute, "sharding": w.sharding,
+                "logits": "linear_ce" if w.linear_ce else "naive", "ep_chunks": self.ep_chunks,
+                "local_seq": self.local_seq, "tokens_per_rank": m.local_tokens,
+                "peak_bytes": m.peak, "peak_gib": round(m.peak / GiB, 2),
+                "budget_bytes": self.budget_bytes,
+                "usable_bytes": self.hardware.usable_bytes,
+                "peak_stage": m.stage, "peak_phase": m.phase,
+                "reasons": dict(self.reasons), "memory": m.to_dict()["terms_bytes"]}
+
+
+def budget_bytes(hw: Hardware, a: Assumptions = Assumptions(), headroom: float = HEADROOM) -> int:
+    return int((hw.usable_gib - a.context_gib) * (1 - headroom) * GiB)
+
+
+def invalid_reason(cfg: ModelConfig, hw: Hardware, w: Workload, lay: Layout) -> str | None:
+    """Why a layout cannot run at all (before any memory question), or None."""
+    g = lay.gpus
+    if g % (lay.tp * lay.pp * lay.cp):
+        return f"TP·PP·CP = {lay.tp * lay.pp * lay.cp} does not divide {g} GPUs"
+    if lay.tp > hw.gpus_per_node:
+        return f"TP={lay.tp} would span nodes ({hw.gpus_per_node} GPUs per node)"
+    if cfg.num_kv_heads % lay.tp or cfg.num_heads % lay.tp:
+        return f"TP={lay.tp} does not divide the {cfg.num_kv_heads} KV heads"
+    if cfg.num_experts % lay.ep:
+        return f"EP={lay.ep} does not divide {cfg.num_experts} experts"
+    if (g // lay.pp) % lay.ep:
+        return f"EP={lay.ep} does not divide the {g // lay.pp} GPUs of a pipeline stage"
+    if lay.pp > cfg.num_layers:
+        return f"PP={lay.pp} exceeds {cfg.num_layers} layers"
+    split = 2 * lay.cp * lay.tp if lay.cp > 1 else lay.tp
+    if w.seq_len % split:
+        return (f"sequence {w.seq_len} is not divisible by {split} "
+                f"(2·CP·TP chunks for load-balanced causal CP)" if lay.cp > 1 else
+                f"sequence {w.seq_len} is not divisible by TP={lay.tp} (sequence parallel)")
+    return None
+
+
+def judge(cfg: ModelConfig, hw: Hardware, w: Workload, lay: Layout, budget: int,
+          a: Assumptions = Assumptions()) -> Cell:
+    why = invalid_reason(cfg, hw, w, lay)
+    if why:
+        return Cell(lay, "invalid", why)
+    m = estimate(cfg, lay, w, a)
+    if m.peak > budget:
+        return Cell(lay, "OOM", f"needs {m.peak / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB "
+                                f"(peak at {m.phase})", m)
+    return Cell(lay, "fits", f"{m.peak / GiB:.1f} GiB of {budget / GiB:.1f} GiB", m)
+
+
+def grid(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, a: Assumptions = Assumptions(),
+         headroom: float = HEADROOM) -> list[Cell]:
+    """Every (TP, PP, EP, CP) of the seeds' 4-D grid whose product fits the GPU count."""
+    b = budget_bytes(hw, a, headroom)
+    return [judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), b, a)
+            for pp in PP_GRID for ep in EP_GRID for tp in TP_GRID for cp in CP_GRID
+            if tp * pp * cp <= gpus and ep * pp <= gpus]
+
+
+def check_gpus(hw: Hardware, gpus: int):
+    if gpus < 1:
+        raise UserError(f"--gpus: must be >= 1, got {gpus}")
+    n = hw.gpus_per_node
+    if gpus > n and gpus % n:
+        lo, hi = gpus // n * n, -(-gpus // n) * n
+        raise UserError(f"--gpus: {gpus} GPUs span nodes but are not a multiple of the "
+                        f"{n} GPUs per {hw.key} node; use {lo} or {hi}")
+
+
+def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: str = "",
+         tp: int | None = None, a: Assumptions = Assumptions(), headroom: float = HEADROOM,
+         _suggest: bool = True) -> Plan:
+    check_gpus(hw, gpus)
+    budget = budget_bytes(hw, a, headroom)
+    if budget <= 0:
+        raise UserError(f"--hardware: {hw.key} leaves no memory after the {a.context_gib} GiB context")
+    reasons: dict[str, str] = {}
+
+    eps = [e for e in EP_GRID[::-1] if e <= min(EP_DEFAULT, hw.gpus_per_node, gpus)
+           and cfg.num_experts % e == 0 and gpus % e == 0]
+    ep = eps[0] if eps else 1
+    reasons["ep"] = (f"EP={ep}: {cfg.num_experts // ep} of {cfg.num_experts} experts per GPU; the "
+                     f"all-to-all stays inside one {hw.gpus_per_node}-GPU node "
+                     f"({hw.intra_node_fabric}); 8 is the seeds' default")
+    if tp is None:
+        tp = 1
+        reasons["tp"] = "TP=1: FSDP2 already shards the state; TP would split GEMMs thin and add collectives"
+    else:
+        reasons["tp"] = f"TP={tp}: forced by --tp"
+    reasons["recompute"] = {
+        "full": "full recompute: each layer keeps only its input, +~1/3 FLOPs buys a long local sequence",
+        "selective": "selective recompute: attention kept, the MoE recomputed",
+        "none": "no recompute: every activation stored"}[w.recompute]
+
+    def try_(pp: int, cp: int) -> Cell:
+        return judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), budget, a)
+    window = [cp for cp in CP_GRID if cp > 1
+              and LOCAL_WINDOW[0] <= w.seq_len // (cp * tp) <= LOCAL_WINDOW[1]]
+    tried: list[Cell] = []
+
+    def first_fit(pp: int, cps: list[int]) -> Cell | None:
+        for cp in cps:
+            tried.append(try_(pp, cp))
+            if tried[-1].verdict == "fits":
+                return tried[-1]
+        return None
+
+    one = first_fit(1, [1])
+    chosen = one
+    if one is not None:
+        reasons["cp"] = (f"CP=1: the whole {w.seq_len:,}-token sequence fits on one GPU "
+                         f"({one.why}); no CP, one fewer collective")
+    else:
+        chosen = first_fit(1, window)
+        if chosen is not None:
+            cp = chosen.layout.cp
+            reasons["cp"] = (f"CP={cp}: CP=1 {tried[0].why}; CP={cp} puts "
+                             f"{w.seq_len // (cp * tp):,} tokens on each GPU, inside the "
+                             f"16K-32K window ({chosen.why})")
+    if chosen is None:
+        pp1 = [c for c in tried if c.memory is not None]
+        chosen = first_fit(2, [1] + window)
+        if chosen is not None:
+            reasons["cp"] = f"CP={chosen.layout.cp}: with PP=2, {chosen.why}"
+            closest = min(pp1, key=lambda c: c.memory.peak) if pp1 else None
+            reasons["pp"] = ("PP=2: no CP of the 16K-32K window fits at PP=1"
+                             + (f" (best {closest.layout.label} {closest.why})" if closest else ""))
+    if chosen is None:
+        fits = [c for c in grid(cfg, hw, gpus, w, a, headroom)
+                if c.verdict == "fits" and c.layout.tp == tp]
+        if fits:
+            chosen = min(fits, key=lambda c: (round(c.memory.peak / GiB, 1), c.layout.ep != ep,
+                                              c.layout.pp, c.layout.cp))
+            lay = chosen.layout
+            reasons["cp"] = (f"CP={lay.cp}: nothing in the seeds' order fits; this is the "
+                             f"smallest-peak layout of the grid ({chosen.why})")
+            if lay.pp > 1:
+                reasons["pp"] = f"PP={lay.pp}: part of that fallback layout"
+            if lay.ep != ep:
+                reasons["ep"] = f"EP={lay.ep}: part of that fallback layout"
+    if chosen is None:
+        raise UserError(_no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom,
+                                        _suggest))
+    reasons.setdefault("pp", "PP=1: the estimate fits without pipeline stages (no bubble)")
+    m = chosen.memory
+    chunks = ep_chunks_for(w, m.local_tokens)
+    reasons["ep_chunks"] = (f"{chunks} EP chunk(s): longmoe.tuning default for "
+                            f"{m.local_tokens:,} local tokens (one chunk's all-to-all hides under "
+                            "another's expert GEMMs)")
+    w = replace(w, ep_chunks=chunks)
+    return Plan(model_name, hw, gpus, w, chosen.layout, estimate(cfg, chosen.layout, w, a),
+                budget, reasons, chunks)
+
+
+def _no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom, suggest) -> str:
+    judged = [c for c in tried if c.memory is not None]
+    best = min(judged, key=lambda c: c.memory.peak) if judged else None
+    what = f"{model_name or 'the model'} at {w.seq_len:,} tokens"
+    msg = f"{what} does not fit on {gpus} x {hw.key} at any layout"
+    if best is not None:
+        msg += (f" (closest: {best.layout.label} needs {best.memory.peak / GiB:.1f} GiB of a "
+                f"{budget_bytes(hw, a, headroom) / GiB:.1f} GiB budget)")
+    elif tried:
+        msg += f" ({tried[0].why})"
+    split = [c for c in tried if c.verdict == "invalid" and "sequence" in c.why]
+    if split:
+        near = max(64, w.seq_len // 64 * 64)
+        msg += f"; {split[0].why}: use a --seq-len divisible by 2·CP·TP (e.g. {near})"
+    if suggest:
+        n = hw.gpus_per_node
+        for more in sorted({n * k for k in (1, 2, 4, 8, 16, 32, 64)} | {2 * gpus, 4 * gpus}):
+            if more <= gpus:
+                continue
+            try:
+                p = plan(cfg, hw, more, w, model_name=model_name, tp=tp, a=a,
+                         headroom=headroom, _suggest=False)
+            except UserError:
+                continue
+            return msg + (f"; {more} GPUs fit ({p.layout.label}, "
+                          f"{p.memory.peak / GiB:.1f} GiB per GPU)")
+        msg += "; no GPU count up to 64 nodes fits: shorten --seq-len or use a larger-memory part"
+    return msg

@@ -1,0 +1,267 @@
+"""The recipe planner and memory estimator (issue E): planner decisions per (model, hardware,
+GPUs, sequence), estimator properties under hypothesis, bad input, the `recipe` command through
+`longmoe.plan.cli.main`, the shipped recipes, the hardware data and the calibration table.
+No torch and no process group: everything here is arithmetic and runs in a few seconds."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from longmoe.config import PRESETS, get_preset
+from longmoe.errors import UserError
+from longmoe.plan import calibration
+from longmoe.plan.cli import main, run_config
+from longmoe.plan.hardware import _raw, get_hardware, names
+from longmoe.plan.memory import GiB, Layout, Workload, estimate, param_split
+from longmoe.plan.planner import budget_bytes, grid, invalid_reason, plan
+from longmoe.train.config import RECIPE_DIR, from_dict, load_run_config
+
+Q35 = "qwen3.5-35b-a3b"
+HYP = settings(max_examples=60, deadline=None)
+
+# (model, hardware, gpus, seq_len) -> (tp, pp, ep, cp)
+DECISIONS = {
+    (Q35, "h100", 32, 131072): (1, 1, 8, 4),      # the seeds' H100 recipe: 32K local
+    (Q35, "h100", 16, 131072): (1, 1, 8, 4),
+    (Q35, "h100", 64, 131072): (1, 1, 8, 4),
+    (Q35, "h100", 32, 262144): (1, 1, 8, 8),      # 32K local again
+    (Q35, "mi300x", 8, 131072): (1, 1, 8, 1),     # the seeds' MI300X advice: no CP
+    (Q35, "mi325x", 8, 131072): (1, 1, 8, 1),
+    (Q35, "h200", 8, 131072): (1, 1, 8, 1),
+    (Q35, "mi355x", 8, 262144): (1, 1, 8, 1),
+    (Q35, "mi300x", 8, 262144): (1, 1, 8, 8),     # CP only once it truly overflows
+    (Q35, "h200", 16, 262144): (1, 1, 8, 8),
+    ("qwen3-30b-a3b", "h100", 16, 131072): (1, 1, 8, 4),
+    ("qwen3-30b-a3b", "mi300x", 8, 131072): (1, 1, 8, 1),
+    ("tiny", "h100", 1, 4096): (1, 1, 1, 1),       # EP bounded by the GPU count
+    ("tiny", "mi300x", 2, 1024): (1, 1, 2, 1),
+}
+
+
+def _plan(model, hw, gpus, seq, **kw):
+    return plan(get_preset(model), get_hardware(hw), gpus, Workload(seq, **kw), model_name=model)
+
+
+@pytest.mark.parametrize("case", list(DECISIONS), ids=lambda c: "-".join(map(str, c)))
+def test_planner_decisions(case):
+    t0 = time.perf_counter()
+    p = _plan(*case)
+    assert time.perf_counter() - t0 < 1.0
+    lay = p.layout
+    assert (lay.tp, lay.pp, lay.ep, lay.cp) == DECISIONS[case]
+    assert p.memory.peak <= p.budget_bytes
+    assert set(p.reasons) >= {"tp", "pp", "ep", "cp", "recompute", "ep_chunks"}
+    assert all(p.reasons[k].startswith(f"{k.upper()}={getattr(lay, k)}") for k in ("tp", "pp", "ep", "cp"))
+    d = p.to_dict()
+    assert {"tp", "pp", "ep", "cp", "recompute", "local_seq", "peak_bytes"} <= set(d)
+    assert d["local_seq"] == case[3] // (lay.cp * lay.tp)
+
+
+def test_h100_recipe_reasons_follow_the_seeds():
+    p = _plan(Q35, "h100", 32, 131072)
+    assert "16K-32K window" in p.reasons["cp"] and "CP=1 needs" in p.reasons["cp"]
+    assert p.local_seq == 32768 and p.workload.recompute == "full"
+    assert p.memory.peak < 40 * GiB            # the seeds' final run: 37-38 GB
+
+
+def test_forced_tp():
+    p = plan(get_preset(Q35), get_hardware("h100"), 32, Workload(131072), tp=2)
+    assert p.layout.tp == 2 and "forced" in p.reasons["tp"]
+    assert p.local_seq == 131072 // (2 * p.layout.cp)
+
+
+@HYP
+@given(model=st.sampled_from(list(PRESETS)), hw=st.sampled_from(names()),
+       nodes=st.sampled_from([1, 2, 4]), gpn=st.sampled_from([1, 2, 4, 8]),
+       seq=st.sampled_from([1024, 4096, 32768, 65536, 131072, 262144, 131072 + 96]))
+def test_never_returns_a_plan_predicted_to_oom(model, hw, nodes, gpn, seq):
+    h = get_hardware(hw)
+    gpus = nodes * h.gpus_per_node if nodes > 1 else gpn
+    cfg = get_preset(model)
+    try:
+        p = plan(cfg, h, gpus, Workload(seq), model_name=model)
+    except UserError as e:
+        assert "does not fit" in str(e) and "\n" not in str(e)
+        return
+    assert p.memory.peak <= budget_bytes(h)
+    assert invalid_reason(cfg, h, p.workload, p.layout) is None
+    assert p.memory.peak == estimate(cfg, p.layout, p.workload).peak
+
+
+# ---- estimator properties -----------------------------------------------------------------
+
+layouts = st.builds(lambda tp, pp, ep, cp, dp: Layout(tp * pp * cp * dp * max(1, ep // (cp * dp * tp)),
+                                                      tp, pp, ep, cp),
+                    st.sampled_from([1, 2]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]),
+                    st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]))
+workloads = st.builds(Workload, seq_len=st.integers(1024, 1 << 19),
+                      micro_batch=st.sampled_from([1, 2]),
+                      recompute=st.sampled_from(["none", "selective", "full"]),
+                      sharding=st.sampled_from(["fsdp2", "dist_opt"]),
+                      linear_ce=st.booleans(), ep_chunks=st.sampled_from([1, 2, 4, 8]))
+models = st.sampled_from([get_preset(Q35), get_preset("qwen3-30b-a3b"), get_preset("tiny")])
+
+
+@HYP
+@given(cfg=models, lay=layouts, w=workloads, more=st.integers(1, 1 << 18))
+def test_estimate_monotone_in_sequence_length(cfg, lay, w, more):
+    longer = replace(w, seq_len=w.seq_len + more)
+    assert estimate(cfg, lay, longer).peak >= estimate(cfg, lay, w).peak
+
+
+@HYP
+@given(cfg=models, lay=layouts, w=workloads)
+def test_estimate_falls_with_more_shards(cfg, lay, w):
+    base = estimate(cfg, lay, w).peak
+    assert estimate(cfg, replace(lay, gpus=2 * lay.gpus), w).peak <= base       # more DP ranks
+    assert estimate(cfg, replace(lay, gpus=2 * lay.gpus, cp=2 * lay.cp), w).peak <= base
+
+
+@HYP
+@given(cfg=models, lay=layouts, w=workloads)
+def test_linear_ce_never_above_naive(cfg, lay, w):
+    lin = estimate(cfg, lay, replace(w, linear_ce=True))
+    naive = estimate(cfg, lay, replace(w, linear_ce=False))
+    assert lin.peak <= naive.peak
+
+
+def test_estimate_terms_and_table():
+    m = estimate(get_preset(Q35), Layout(32, 1, 1, 8, 4), Workload(131072))
+    assert m.peak == m.static + m.dynamic + m.margin > 0
+    assert m.local_tokens == 32768
+    text = m.table()
+    for name in ("params", "optimizer", "activations", "MoE dispatch", "logits", "communication",
+                 "allocator margin", "peak"):
+        assert name in text
+    assert json.loads(json.dumps(m.to_dict()))["peak_bytes"] == m.peak
+
+
+def test_recompute_ordering_and_naive_logits_size():
+    cfg, lay = get_preset(Q35), Layout(32, 1, 1, 8, 4)
+    peaks = [estimate(cfg, lay, Workload(131072, recompute=r)).peak
+             for r in ("full", "selective", "none")]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[2]
+    naive = estimate(cfg, lay, Workload(131072, linear_ce=False))
+    assert naive.logits >= 32768 * 248320 * 4       # at least the seeds' one fp32 copy
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_param_split_matches_num_params(name):
+    cfg = get_preset(name)
+    ps = param_split(cfg)
+    total = cfg.num_layers * (ps["layer_dense"] + ps["layer_experts"]) + ps["embed"] + ps["head"]
+    assert total == cfg.num_params()["total"]
+
+
+# ---- grid ---------------------------------------------------------------------------------
+
+def test_grid_reproduces_the_seeds_oom_finding():
+    cfg, h100 = get_preset(Q35), get_hardware("h100")
+    baseline = Workload(131072, sharding="dist_opt", linear_ce=False, ep_chunks=1)
+    cells = grid(cfg, h100, 32, baseline)
+    verdicts = [c.verdict for c in cells]
+    assert verdicts.count("OOM") > 3 * verdicts.count("fits") > 0
+    assert all(c.why for c in cells)
+    assert any("KV heads" in c.why for c in cells if c.verdict == "invalid")
+    recipe = grid(cfg, h100, 32, Workload(131072))
+    assert sum(c.verdict == "fits" for c in recipe) > sum(c.verdict == "fits" for c in cells)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+BAD = {
+    "unknown_hardware": (["--hardware", "b200"], ["--hardware", "h100", "mi300x"]),
+    "unknown_model": (["--model", "llama"], ["--model", Q35, "tiny"]),
+    "gpus_not_per_node": (["--gpus", "12"], ["--gpus", "8 GPUs per", "8 or 16"]),
+    "gpus_zero": (["--gpus", "0"], ["--gpus"]),
+    "seq_zero": (["--seq-len", "0"], ["--seq-len"]),
+    "seq_not_divisible": (["--seq-len", "131073"], ["not divisible", "e.g. 131072"]),
+    "cannot_fit": (["--gpus", "8"], ["does not fit on 8 x h100", "16 GPUs fit"]),
+    "out_selective": (["--recompute", "selective", "--seq-len", "8192", "--out", "/dev/null"],
+                      ["--out", "selective"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_error_line(case, capsys):
+    extra, needles = BAD[case]
+    argv = ["--model", Q35, "--hardware", "h100", "--gpus", "32", "--seq-len", "131072", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    for n in needles:
+        assert n in err
+
+
+# ---- the command --------------------------------------------------------------------------
+
+def test_cli_json_and_out(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(["--model", Q35, "--hardware", "h100", "--gpus", "32", "--seq-len", "131072",
+                 "--format", "json", "--out", str(out), "--explain"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["tp"], d["pp"], d["ep"], d["cp"]) == (1, 1, 8, 4)
+    assert d["recompute"] == "full" and d["local_seq"] == 32768 and d["peak_bytes"] > 0
+    assert {c["verdict"] for c in d["grid"]} <= {"fits", "OOM", "invalid"}
+    run = load_run_config(str(out))
+    assert (run.parallel.ep, run.parallel.cp, run.parallel.tp, run.parallel.pp) == (8, 4, 1, 1)
+    assert run.data.seq_len == 131072 and run.parallel.recompute == "full"
+
+
+def test_cli_table_and_yaml(capsys):
+    argv = ["--model", Q35, "--hardware", "mi300x", "--gpus", "8", "--seq-len", "131072"]
+    assert main(argv + ["--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "TP1·PP1·EP8·CP1" in text and "why:" in text and "grid:" in text and "peak" in text
+    assert main(argv + ["--format", "yaml"]) == 0
+    d = yaml.safe_load(capsys.readouterr().out)
+    assert d["cp"] == 1 and d["hardware"] == "mi300x"
+
+
+def test_add_parser_registers_recipe():
+    import argparse
+    from longmoe.plan.cli import add_parser
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    a = p.parse_args(["recipe", "--model", Q35, "--hardware", "h100", "--gpus", "32",
+                      "--seq-len", "131072"])
+    assert callable(a.fn) and a.format == "table"
+
+
+# ---- shipped recipes, hardware data, calibration -------------------------------------------
+
+@pytest.mark.parametrize("name,hw,gpus", [("h100_qwen35_128k", "h100", 32),
+                                          ("mi300x_qwen35_128k", "mi300x", 8)])
+def test_shipped_recipes_are_what_the_planner_writes(name, hw, gpus):
+    shipped = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())
+    assert shipped == run_config(_plan(Q35, hw, gpus, 131072))
+    from_dict(shipped)
+    assert (shipped["parallel"]["cp"] == 1) == (hw == "mi300x")
+
+
+def test_hardware_profiles_cite_every_figure():
+    raw = _raw()
+    numeric = ["bf16_dense_tflops", "hbm_gb", "usable_gib", "hbm_tb_s", "gpus_per_node",
+               "intra_node_gb_s", "inter_node_gb_s", "simd_width"]
+    for key, p in raw["profiles"].items():
+        for f in numeric:
+            assert p[f] > 0 and p["sources"].get(f), (key, f)
+        assert set(p["confirmed"]).isdisjoint(p["unconfirmed"])
+        assert p["usable_gib"] <= p["hbm_gb"] * 1.0
+        assert p["simd_width"] == (32 if p["vendor"] == "nvidia" else 64)
+    for alias, key in raw["aliases"].items():
+        assert get_hardware(alias).key == key
+    assert get_hardware("H100").key == "h100"
+
+
+@pytest.mark.parametrize("point", calibration.POINTS, ids=lambda p: p.name)
+def test_calibration_points_match_the_docs_claim(point):
+    row = calibration.evaluate(point)
+    assert (abs(row.error) <= 0.10) == point.within_10, f"{point.name}: {row.error:+.1%}"
