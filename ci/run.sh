@@ -160,7 +160,7 @@ tier_gpu() {
 
     begin "bench smoke"
     if longmoe bench --help >/dev/null 2>&1; then
-        longmoe bench --smoke 2>&1 | tee "$OUT_DIR/bench_smoke.log"
+        longmoe bench linear-ce --smoke --out "$OUT_DIR/bench_linear_ce_smoke.json" 2>&1 | tee "$OUT_DIR/bench_smoke.log"
     else
         echo "skipped: this longmoe has no bench subcommand"
     fi

@@ -250,7 +250,8 @@ def moe_layer_bytes(cfg: ModelConfig, tokens: int, chunks: int, ep: int,
 
 
 def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
-                    stage: str) -> MemoryBreakdown:
+                   stage: str) -> MemoryBreakdown:
+    """One pipeline stage ("only", "first" or "last"): every phase, the largest returned."""
     ps, act, b = param_split(cfg), activation_bytes(cfg, a), a.compute_bytes
     H, L = cfg.hidden_size, -(-cfg.num_layers // lay.pp)   # layers on the fullest stage
     first, last = stage in ("only", "first"), stage in ("only", "last")
@@ -263,7 +264,9 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     head = ps["head"] / lay.tp if last else 0
     dense = layers_dense + embed + head
     if fsdp:
-        shard = lambda d, e: d / lay.dp_cp + e / lay.edp   # noqa: E731
+        def shard(d, e):
+            return d / lay.dp_cp + e / lay.edp
+
         params = a.master_bytes * shard(dense, layers_exp)
         optim = a.adam_bytes * shard(dense, layers_exp)
         g_head, g_embed = a.grad_bytes * shard(head, 0), a.grad_bytes * shard(embed, 0)
@@ -274,7 +277,8 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
         params = b * (dense + layers_exp)
         optim = (a.master_bytes + a.adam_bytes) * (dense / lay.dp_cp + layers_exp / lay.edp)
         n["params"] = "bf16, whole on every rank (distributed optimizer)"
-        n["optimizer"] = f"fp32 master + moments: dense over {lay.dp_cp} ranks, experts over {lay.edp}"
+        n["optimizer"] = (f"fp32 master + moments: dense over {lay.dp_cp} ranks, "
+                          f"experts over {lay.edp}")
 
     # ---- activations
     T = local_tokens(lay, w)
@@ -285,7 +289,8 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
                   "selective": act["layer_input"] + act["attn"],
                   "none": act["attn"] + act["moe_dense"] + routed}[w.recompute]
     per_mb = L * T * stored_tok
-    n["activations"] = f"{w.recompute} recompute: {stored_tok / 1024:.1f} KiB/token/layer x {L} layers"
+    n["activations"] = (f"{w.recompute} recompute: {stored_tok / 1024:.1f} KiB/token/layer "
+                        f"x {L} layers")
     if w.recompute == "none":      # everything is stored; backward adds gradient buffers only
         working = T * 2 * b * max(H, cfg.num_heads * cfg.head_dim)
     else:                          # the recomputed layer's saved set plus gradient buffers
@@ -329,7 +334,8 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
         # the grads of earlier micro-batches are already there and the others' inputs are kept.
         lay_comm = unit_comm + kept + p2p + ring
         if inflight == 1:
-            phases.append(("layer backward (start)", g_head, per_mb, working, dispatch, 0, lay_comm))
+            phases.append(("layer backward (start)", g_head, per_mb, working, dispatch, 0,
+                           lay_comm))
             phases.append(("layer backward (end)", g_head + g_layers * (L - 1) / L,
                            T * stored_tok, working, dispatch, 0, unit_last + kept + p2p + ring))
         else:
@@ -342,7 +348,8 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
         if first:
             phases.append(("embedding backward", g_layers + g_head + g_embed, other, 0, 0, 0,
                            kept + embed * (b + 4)))
-        n["comm"] = "FSDP2: layer unit + prefetch (bf16), fp32 grad for reduce-scatter, head/embedding kept whole"
+        n["comm"] = ("FSDP2: layer unit + prefetch (bf16), its fp32 grad for reduce-scatter, "
+                     "embedding/head kept whole")
     else:
         g = a.grad_bytes * (dense + layers_exp)
         n["grads"] = f"main grads, {a.grad_bytes} B/param, whole"

@@ -1,0 +1,55 @@
+"""The CI entry points: .ci/run is the cpu tier of ci/run.sh, the scripts parse, the Dockerfiles
+pin their base images and run the gpu tier, and the golden-loss checker passes and fails."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dot_ci_run_is_the_cpu_tier():
+    text = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"exec bash ci/run\.sh cpu", text)
+    readme = (ROOT / "README.md").read_text()
+    assert "python -m pytest -q tests" in readme
+    assert '"$PY" -m pytest -q tests' in (ROOT / "ci" / "run.sh").read_text()
+
+
+@pytest.mark.parametrize("script", [".ci/run", "ci/run.sh"])
+def test_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
+
+
+@pytest.mark.parametrize("name,base", [("Dockerfile.cuda", r"pytorch/pytorch:2\.\d+\.\d+-cuda"),
+                                       ("Dockerfile.rocm", r"rocm/pytorch:rocm[\d.]+_")])
+def test_dockerfiles_pin_official_bases_and_run_the_gpu_tier(name, base):
+    text = (ROOT / "docker" / name).read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert len(froms) == 1 and re.match(base, froms[0]) and not froms[0].endswith(":latest")
+    assert 'CMD ["bash", "ci/run.sh", "gpu", "--no-install"]' in text
+
+
+def _golden(tmp_path, losses, want, atol=0.01):
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n" for i, x in enumerate(losses)))
+    g = tmp_path / "g.json"
+    g.write_text(json.dumps({"tolerance": {"loss": {"rtol": 0.0, "atol": atol}},
+                             "steps": [{"step": i + 1, "loss": x} for i, x in enumerate(want)]}))
+    return subprocess.run([sys.executable, str(ROOT / "ci" / "check_golden.py"), str(m), str(g)],
+                          capture_output=True, text=True)
+
+
+def test_golden_checker_passes_and_fails(tmp_path):
+    assert _golden(tmp_path, [0.25, 0.24], [0.251, 0.245]).returncode == 0
+    bad = _golden(tmp_path, [0.25, 0.30], [0.251, 0.245])
+    assert bad.returncode == 1 and "step    2" in bad.stdout
+
+
+def test_shipped_cuda_golden_is_well_formed():
+    g = json.loads((ROOT / "ci" / "golden" / "cuda_gpu_smoke.json").read_text())
+    assert len(g["steps"]) == 20 and g["tolerance"]["loss"]["atol"] > 0
