@@ -46,7 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--logits", default="linear_ce", choices=["linear_ce", "naive"])
     r.add_argument("--ep-chunks", type=int, default=0, help="chunked EP pieces (0: tuning default)")
     r.add_argument("--headroom", type=float, default=HEADROOM,
-                   help=f"fraction of the budget kept free for estimator error (default {HEADROOM})")
+                   help="fraction of the budget kept free for estimator error "
+                        f"(default {HEADROOM})")
     r.set_defaults(fn=run)
     return r
 
@@ -137,7 +138,8 @@ def run_config(p: Plan) -> dict:
     if w.sharding != "fsdp2":
         raise UserError("--out: the trainer shards with FSDP2; dist_opt is estimate-only")
     model = {"preset": p.model} if p.model in PRESETS else {"hf_config": p.model}
-    impl = {"linear_ce": "auto"} if w.linear_ce else {"linear_ce": "naive", "policy_loss": "unfused"}
+    impl = ({"linear_ce": "auto"} if w.linear_ce
+            else {"linear_ce": "naive", "policy_loss": "unfused"})
     return {
         "model": model,
         "parallel": {"ep": p.layout.ep, "chunks": p.ep_chunks, "fsdp": True,

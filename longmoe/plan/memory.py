@@ -16,13 +16,19 @@ What is modelled (and why):
              expert FFN); none keeps everything. Under 1F1B the first stage holds PP micro-batches.
   working    the one layer being recomputed and differentiated: its saved set plus the gradient
              buffers alive together; attention is SDPA/flash, so there is no S^2 term.
-  dispatch   routed-row buffers of the MoE all-to-all (x K rows per token, scaled by expert load
-             imbalance on the busiest rank); chunked EP keeps one chunk of them alive at a time.
+  dispatch   routed-row buffers of the MoE (K rows per token, scaled by the expert load imbalance
+             on the busiest rank): the rows saved for the expert FFN backward, and the all-to-all
+             send/recv copies and their gradients, of which chunked EP keeps one chunk alive.
   logits     naive: fp32 [T, V/TP] logits and their gradient (plus fp32 copies of W and dW);
              linear CE: one fp32 [C, V/TP] chunk, its bf16 gradient and the fp32 dW accumulator.
   comm       FSDP2 all-gather/reduce-scatter buffers (current + prefetched unit), the LM head kept
              unsharded after forward, pipeline send/recv and CP key/value exchange buffers.
   margin     caching-allocator fragmentation, a fraction of the dynamic bytes.
+
+The terms do not all peak together: FSDP2 gradients appear layer by layer while stored inputs
+are freed, and the LM head's buffers are gone before the layers' backward starts. So each phase
+(LM head, start and end of the layers' backward, embedding backward) is summed on its own, per
+pipeline stage, and the largest is the estimate; the breakdown shows that phase's terms.
 """
 
 from __future__ import annotations
@@ -144,6 +150,10 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
             "routed_saved": routed_saved, "routed_transient": routed_transient}
 
 
+TERMS = ("params", "grads", "optimizer", "activations", "working", "dispatch", "logits", "comm",
+         "margin")
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """The terms alive together at the rank's peak moment (`phase`), so `peak` is their sum.
@@ -205,7 +215,7 @@ class MemoryBreakdown:
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout), "stage": self.stage, "phase": self.phase,
                 "local_tokens": self.local_tokens,
-                "terms_bytes": {name: v for name, v, _ in self.rows()},
+                "terms_bytes": {k: getattr(self, k) for k in TERMS},
                 "static_bytes": self.static, "dynamic_bytes": self.dynamic,
                 "peak_bytes": self.peak}
 

@@ -131,27 +131,33 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
     check_gpus(hw, gpus)
     budget = budget_bytes(hw, a, headroom)
     if budget <= 0:
-        raise UserError(f"--hardware: {hw.key} leaves no memory after the {a.context_gib} GiB context")
+        raise UserError(f"--hardware: {hw.key} leaves no memory after the "
+                        f"{a.context_gib} GiB context")
     reasons: dict[str, str] = {}
 
     eps = [e for e in EP_GRID[::-1] if e <= min(EP_DEFAULT, hw.gpus_per_node, gpus)
            and cfg.num_experts % e == 0 and gpus % e == 0]
     ep = eps[0] if eps else 1
+    why_ep = ("8 is the seeds' default" if ep == EP_DEFAULT else
+              f"the largest of 1/2/4/8 dividing {cfg.num_experts} experts and {gpus} GPU(s)")
     reasons["ep"] = (f"EP={ep}: {cfg.num_experts // ep} of {cfg.num_experts} experts per GPU; the "
                      f"all-to-all stays inside one {hw.gpus_per_node}-GPU node "
-                     f"({hw.intra_node_fabric}); 8 is the seeds' default")
+                     f"({hw.intra_node_fabric}); {why_ep}")
     if tp is None:
         tp = 1
-        reasons["tp"] = "TP=1: FSDP2 already shards the state; TP would split GEMMs thin and add collectives"
+        reasons["tp"] = ("TP=1: FSDP2 already shards the state; TP would split GEMMs thin and "
+                         "add collectives")
     else:
         reasons["tp"] = f"TP={tp}: forced by --tp"
     reasons["recompute"] = {
-        "full": "full recompute: each layer keeps only its input, +~1/3 FLOPs buys a long local sequence",
+        "full": ("full recompute: each layer keeps only its input, +~1/3 FLOPs buys a long "
+                 "local sequence"),
         "selective": "selective recompute: attention kept, the MoE recomputed",
         "none": "no recompute: every activation stored"}[w.recompute]
 
     def try_(pp: int, cp: int) -> Cell:
         return judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), budget, a)
+
     window = [cp for cp in CP_GRID if cp > 1
               and LOCAL_WINDOW[0] <= w.seq_len // (cp * tp) <= LOCAL_WINDOW[1]]
     tried: list[Cell] = []
@@ -202,9 +208,10 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
     reasons.setdefault("pp", "PP=1: the estimate fits without pipeline stages (no bubble)")
     m = chosen.memory
     chunks = ep_chunks_for(w, m.local_tokens)
-    reasons["ep_chunks"] = (f"{chunks} EP chunk(s): longmoe.tuning default for "
-                            f"{m.local_tokens:,} local tokens (one chunk's all-to-all hides under "
-                            "another's expert GEMMs)")
+    reasons["ep_chunks"] = (f"{chunks} EP chunk(s): " + (
+        "set by --ep-chunks" if w.ep_chunks else
+        f"longmoe.tuning default for {m.local_tokens:,} local tokens (one chunk's all-to-all "
+        "hides under another's expert GEMMs)"))
     w = replace(w, ep_chunks=chunks)
     return Plan(model_name, hw, gpus, w, chosen.layout, estimate(cfg, chosen.layout, w, a),
                 budget, reasons, chunks)
