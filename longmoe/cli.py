@@ -4,6 +4,8 @@
   doctor    backend, devices, library versions, what is missing
   paired    a candidate implementation against its plain-PyTorch reference
   kernels   compile every Triton kernel config for sm_90, gfx942, gfx950 (no GPU needed)
+  bench     benchmarks whose JSON results are committed (linear-ce)
+  recipe    plan TP/PP/EP/CP, recompute and chunks for a model, GPU type, count and length
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--target", default="all", choices=["sm_90", "gfx942", "gfx950", "all"])
     kc.add_argument("--json", action="store_true")
     kc.set_defaults(fn=_cmd_kernels)
+
+    from longmoe.plan.cli import add_parser as add_recipe_parser
+    add_recipe_parser(sub)
     return p
 
 

@@ -270,3 +270,22 @@ def test_hardware_profiles_cite_every_figure():
 def test_calibration_points_match_the_docs_claim(point):
     row = calibration.evaluate(point)
     assert (abs(row.error) <= 0.10) == point.within_10, f"{point.name}: {row.error:+.1%}"
+
+
+def test_recipe_command_end_to_end(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "plan.yaml"
+    p = subprocess.run([sys.executable, "-m", "longmoe", "recipe", "--model", "qwen3.5-35b-a3b",
+                        "--hardware", "h100", "--gpus", "32", "--seq-len", "131072",
+                        "--format", "json", "--out", str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert (plan["tp"], plan["pp"], plan["ep"], plan["cp"]) == (1, 1, 8, 4)
+    from longmoe.train.config import load_run_config
+    assert load_run_config(str(out)).parallel.ep == 8
+    bad = subprocess.run([sys.executable, "-m", "longmoe", "recipe", "--model", "nope",
+                          "--hardware", "h100", "--gpus", "8", "--seq-len", "4096"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
