@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from longmoe.ops import linear_cross_entropy, linear_policy_loss
-from longmoe.ops.kernels.aot import TARGETS, compile_all
+from longmoe.backends.aot import compile_targets
+from longmoe.ops.kernels.aot import compile_all
 from longmoe.paired.cases import policy_loss_case
 
 
@@ -90,8 +91,9 @@ def test_triton_kernels_under_interpreter(primitive, impl):
     assert res["ok"] and res["candidate"] == impl, res
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
 def test_every_kernel_config_compiles_without_spills(target):
+    assert target in compile_targets()
     reports = compile_all(target)
     assert reports, "no kernel configs found"
     bad = [(r.variant, r.config.get("where"), r.error) for r in reports if not r.ok]

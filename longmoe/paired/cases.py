@@ -24,16 +24,21 @@ def _ref_dtype(dtype):
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
+def _head_inputs(g, T, H, V, device, ignored_every: int):
+    """Fresh hidden states, LM-head weight and labels with some ignored tokens."""
+    h = (torch.randn(T, H, generator=g) * 0.5).to(device)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(device)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[torch.randperm(T, generator=g)[: max(1, T // ignored_every)]] = -100
+    return h, w, y.to(device)
+
+
 def linear_ce_case(impl="auto", seed=0, T=47, H=31, V=123, dtype=torch.float32, chunk_tokens=8,
                    device=None) -> PairedResult:
     backend = active_backend()
     device = device or backend.device(0)
     g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(T, H, generator=g) * 0.5).to(device)
-    w = (torch.randn(V, H, generator=g) * 0.5).to(device)
-    y = torch.randint(0, V, (T,), generator=g)
-    y[torch.randperm(T, generator=g)[: max(1, T // 7)]] = -100  # some ignored tokens
-    y = y.to(device)
+    h, w, y = _head_inputs(g, T, H, V, device, ignored_every=7)
     c_lp = torch.randn(T, generator=g).to(device)
     c_ent = torch.randn(T, generator=g).to(device)
     name = LINEAR_CE.select(impl, h, w, y).name
@@ -68,11 +73,7 @@ def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32
     backend = active_backend()
     device = device or backend.device(0)
     g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(T, H, generator=g) * 0.5).to(device)
-    w = (torch.randn(V, H, generator=g) * 0.5).to(device)
-    y = torch.randint(0, V, (T,), generator=g)
-    y[torch.randperm(T, generator=g)[: max(1, T // 6)]] = -100
-    y = y.to(device)
+    h, w, y = _head_inputs(g, T, H, V, device, ignored_every=6)
     adv = torch.randn(T, generator=g).to(device)
     with torch.no_grad():
         lp0, _ = linear_logprobs(h.double(), w.double(), y, impl="naive")
