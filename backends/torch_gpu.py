@@ -88,6 +88,7 @@ class TorchGpuBackend(Backend):
             try:
                 props = torch.cuda.get_device_properties(torch.cuda.current_device())
                 out["arch"] = self._arch_from_props(props)
+                out["device_name"] = str(props.name)
                 out["sm_count"] = int(props.multi_processor_count)
                 out["memory_bytes"] = int(props.total_memory)
                 # Older torch builds do not expose warp_size; guessing it would hide a real gap.

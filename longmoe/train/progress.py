@@ -40,7 +40,9 @@ class Progress:
         self.console.print(
             f"step {m['step']:>4}/{self.total}  loss {m['loss']:+.5f}  aux {m['aux_loss']:.4f}  "
             f"gnorm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s  "
-            f"peak {_gib(m['peak_mem_bytes'])}  {m['step_time_s']:.2f} s")
+            f"peak {_gib(m['peak_mem_bytes'])}  {m['step_time_s']:.2f} s  "
+            f"{m['hw_tflops_per_gpu']:.3g} hw TFLOPS/rank"
+            + (f"  MFU {m['mfu']:.1%}" if m.get("mfu") else ""))
 
     def summary(self, extra: dict | None = None) -> dict:
         if not self.enabled:
@@ -49,8 +51,10 @@ class Progress:
         s = {"steps": len(self.rows), "wall_s": round(wall, 2)}
         if self.rows:
             tps = [r["tokens_per_s"] for r in self.rows[1:]] or [self.rows[0]["tokens_per_s"]]
+            hw = [r["hw_tflops_per_gpu"] for r in self.rows[1:]] or [self.rows[0]["hw_tflops_per_gpu"]]
             s.update(first_loss=self.rows[0]["loss"], last_loss=self.rows[-1]["loss"],
                      mean_tokens_per_s=sum(tps) / len(tps),
+                     mean_hw_tflops_per_gpu=sum(hw) / len(hw),
                      peak_mem_bytes=max(r["peak_mem_bytes"] for r in self.rows),
                      last_grad_norm=self.rows[-1]["grad_norm"])
         s.update(extra or {})

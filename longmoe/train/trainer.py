@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from longmoe.backends import active_backend, get_backend
 from longmoe.backends.base import Backend
+from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.parallel.mesh import build_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
@@ -63,6 +64,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
     source = make_source(run.data, run.model.vocab_size, run.train.seed)
     progress = Progress(rank == 0, run.train.steps, opts.metrics_out, backend.memory_label)
+    peak_flops = dense_peak_flops(backend.probe())
     model_meta = asdict(run.model)
     model_meta["layer_types"] = list(model_meta["layer_types"])
 
@@ -106,12 +108,17 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         peak, = _sum([backend.peak_memory_bytes()], device, dist.ReduceOp.MAX)
         slowest, = _sum([dt], device, dist.ReduceOp.MAX)
         g = max(global_tokens, 1)
+        fl = step_flops(run.model, int(vals[2]), run.data.seq_len, run.parallel.recompute)
+        model_tflops = fl.model / slowest / world / 1e12
         progress.step({
             "step": step + 1, "loss": vals[0], "aux_loss": vals[1], "grad_norm": gnorm,
             "tokens_per_s": vals[2] / slowest, "peak_mem_bytes": int(peak),
             "step_time_s": slowest, "lr": sched.get_last_lr()[0], "entropy": vals[3] / g,
             "mean_logprob": vals[4] / g, "clip_frac": vals[5] / g,
-            "trained_tokens": int(global_tokens), "tokens": int(vals[2])})
+            "trained_tokens": int(global_tokens), "tokens": int(vals[2]),
+            "model_tflops_per_gpu": model_tflops,
+            "hw_tflops_per_gpu": fl.hardware / slowest / world / 1e12,
+            "mfu": model_tflops * 1e12 / peak_flops if peak_flops else None})
 
         every = run.train.checkpoint_every
         last = step + 1 == run.train.steps

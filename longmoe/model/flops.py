@@ -1,0 +1,68 @@
+"""FLOPs accounting for one training step: model FLOPs (what the math needs) and hardware FLOPs
+(what the GPU executes, with recompute), per the transformer as longmoe builds it.
+
+Per token and layer, forward (a multiply-add is 2 FLOPs):
+  attention projections  2*H*(q_out + 2*K*D) + 2*N*D*H        (q_out = N*D, doubled with the gate)
+  attention core         4*N*D*ctx, ctx = (S+1)/2 for causal attention over a sequence of S
+  router                 2*H*E
+  routed experts         top_k * 6*H*F                        (gate+up: 4*H*F, down: 2*F*H)
+  shared expert          6*H*Fs + 2*H                         (and its sigmoid gate)
+and once per token the LM head 2*H*V. Training is 3x forward (backward = 2x). Full recompute runs
+each block's forward again (+1x the layers, not the head: linear CE is not recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longmoe.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    model: float            # 3 x forward, the MFU numerator
+    hardware: float         # what runs, recompute included
+    forward_layers: float   # all blocks, attention core included
+    forward_head: float
+    forward_attn_core: float
+
+
+def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    ctx = (seq_len + 1) / 2 if causal else seq_len
+    return 4 * cfg.num_heads * cfg.head_dim * ctx
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    H, N, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_out = N * D * (2 if cfg.attn_output_gate else 1)
+    proj = 2 * H * (q_out + 2 * K * D) + 2 * N * D * H
+    core = attention_core_flops_per_token(cfg, seq_len, causal)
+    router = 2 * H * cfg.num_experts
+    routed = cfg.top_k * 6 * H * cfg.moe_ffn_size
+    shared = (6 * H * cfg.shared_expert_ffn_size + 2 * H) if cfg.shared_expert_ffn_size else 0
+    return proj + core + router + routed + shared
+
+
+def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute: str = "none",
+               causal: bool = True) -> StepFlops:
+    """FLOPs of one fwd+bwd over `tokens` tokens arranged in sequences of `seq_len`."""
+    layers = cfg.num_layers * layer_forward_flops_per_token(cfg, seq_len, causal) * tokens
+    head = 2 * cfg.hidden_size * cfg.vocab_size * tokens
+    model = 3 * (layers + head)
+    extra = layers if recompute == "full" else 0.0
+    core = cfg.num_layers * attention_core_flops_per_token(cfg, seq_len, causal) * tokens
+    return StepFlops(model=model, hardware=model + extra, forward_layers=layers, forward_head=head,
+                     forward_attn_core=core)
+
+
+def dense_peak_flops(probe: dict) -> float | None:
+    """bf16 dense peak of the device a backend probed, from the hardware profiles (None on CPU
+    or for a device without a profile)."""
+    from longmoe.plan.hardware import _raw
+    name = str(probe.get("device_name") or "").lower()
+    if not name:
+        return None
+    for key, prof in _raw()["profiles"].items():
+        if key in name.replace(" ", ""):
+            return prof["bf16_dense_tflops"] * 1e12
+    return None
