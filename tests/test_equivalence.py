@@ -36,3 +36,14 @@ def test_world2_step_matches_world1_on_gpus():
     res = step_case(2, seed, device=active_backend().name, ep=2, chunks=2, recompute="full",
                     fsdp=True, linear_ce="chunked")
     assert res.ok, (seed, res.failures())
+
+
+@pytest.mark.parametrize("nproc,kw", [
+    (2, dict(cp=2, ep=1, chunks=1, recompute="none")),              # CP2
+    (2, dict(cp=2, ep=2, chunks=2, recompute="full")),              # CP2 x EP2 (EP spans CP ranks)
+    (4, dict(cp=4, ep=2, chunks=2, recompute="full", batch_size=4)),  # CP4 x EP2
+], ids=["cp2", "cp2-ep2-full", "cp4-ep2-full"])
+def test_context_parallel_step_matches_world1(nproc, kw):
+    seed = random.randrange(2**31)
+    res = step_case(nproc, seed, fsdp=True, linear_ce="chunked", **kw)
+    assert res.ok, (seed, res.failures())

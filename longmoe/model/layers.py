@@ -62,6 +62,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.cp = None  # a parallel.context_parallel.ContextParallel when the sequence is split
 
     def forward(self, x_BSH, cos_SR, sin_SR):
         cfg = self.cfg
@@ -78,9 +79,14 @@ class Attention(nn.Module):
             q_BSND, k_BSKD = self.q_norm(q_BSND), self.k_norm(k_BSKD)
         q_BSND = apply_rope(q_BSND, cos_SR, sin_SR)
         k_BSKD = apply_rope(k_BSKD, cos_SR, sin_SR)
-        o_BNSD = F.scaled_dot_product_attention(
-            q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
-            is_causal=True, enable_gqa=n != k)
+        if self.cp is not None:  # local queries against the CP group's gathered keys/values
+            k_BSKD, v_BSKD = self.cp.gather_kv(k_BSKD), self.cp.gather_kv(v_BSKD)
+            o_BNSD = self.cp.attention(q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2),
+                                       v_BSKD.transpose(1, 2), enable_gqa=n != k)
+        else:
+            o_BNSD = F.scaled_dot_product_attention(
+                q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
+                is_causal=True, enable_gqa=n != k)
         o_BSND = o_BNSD.transpose(1, 2)
         if gate_BSND is not None:
             o_BSND = o_BSND * torch.sigmoid(gate_BSND)

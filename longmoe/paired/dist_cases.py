@@ -101,18 +101,19 @@ def _grads_by_name(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step(run, layout, device, seed, world, rank):
+def _step(run, layout, device, seed, data_world):
     from longmoe.train.data import Batch, SyntheticSource
     from longmoe.train.setup import build_model
-    from longmoe.train.step import forward_backward, global_token_count
+    from longmoe.train.step import forward_backward, global_token_count, local_batch
     model = build_model(run, layout, device)
     source = SyntheticSource(run.data, run.model.vocab_size, seed)
-    if layout.world == 1 and world > 1:  # the reference sees every rank's batch at once
-        batch = Batch.cat([source.batch(0, r, world) for r in range(world)])
+    if layout.world == 1 and data_world > 1:  # the reference sees every rank's batch at once
+        batch = Batch.cat([source.batch(0, r, data_world) for r in range(data_world)])
     else:
-        batch = source.batch(0, rank, world)
-    batch = batch.to(device)
-    loss, aux, _ = forward_backward(model, batch, run, layout, global_token_count(batch, layout))
+        batch = source.batch(0, layout.data_rank, data_world)
+    batch, positions = local_batch(batch.to(device), layout)
+    loss, aux, _ = forward_backward(model, batch, run, layout, global_token_count(batch, layout),
+                                    positions)
     return {"loss": float(loss), "aux": float(aux), "grads": _grads_by_name(model),
             "expert_names": [n.replace("block.", "") + "." + pn
                              for n, m in model.named_modules() if isinstance(m, GroupedExperts)
@@ -123,16 +124,17 @@ def _step_rank(rank, world, backend, run_dict, seed):
     from longmoe.parallel.mesh import build_layout
     from longmoe.train.config import from_dict
     run = from_dict(run_dict)
-    layout = build_layout(backend.device_type, run.parallel.ep)
-    out = _step(run, layout, backend.device(rank), seed, world, rank)
+    layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
+    out = _step(run, layout, backend.device(rank), seed, layout.data_world)
     out["ep_rank"], out["ep"] = layout.ep_rank, layout.ep
     return out
 
 
 def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
-                  num_layers=2, seq_len=48, batch_size=4) -> dict:
+                  num_layers=2, seq_len=48, batch_size=4, cp=1) -> dict:
     return {"model": {"preset": "tiny", "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
-            "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp},
+            "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp,
+                         "cp": cp},
             "impl": {"linear_ce": linear_ce, "ce_chunk_tokens": 40 if linear_ce == "chunked" else 0},
             "data": {"batch_size": batch_size, "seq_len": seq_len, "prompt_len": 12, "group_size": 2}}
 
@@ -152,9 +154,9 @@ def step_case(nproc=2, seed=0, device="cpu", **cand_kw) -> PairedResult:
     cand = candidate_run(**cand_kw)
     ranks = run_ranks(_step_rank, nproc, cand, seed, device=device)
     ref = _step(from_dict(reference_run(cand)), Layout(1, 0, 1, None, None, None),
-                get_backend(device).device(0), seed, nproc, 0)
+                get_backend(device).device(0), seed, nproc // cand["parallel"]["cp"])
     p = cand["parallel"]
-    res = PairedResult("step", f"w{nproc} ep{p['ep']} fsdp={p['fsdp']} recompute={p['recompute']} "
+    res = PairedResult("step", f"w{nproc} cp{p['cp']} ep{p['ep']} fsdp={p['fsdp']} recompute={p['recompute']} "
                        f"chunks={p['chunks']} ce={cand['impl']['linear_ce']}",
                        "w1, every primitive off", TOLERANCE[torch.float32], info={"seed": seed})
     res.add("loss", torch.tensor(sum(r["loss"] for r in ranks)), torch.tensor(ref["loss"]))

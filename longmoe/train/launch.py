@@ -21,7 +21,11 @@ def validate(run: RunConfig, nproc: int):
     """Every check that needs no process group; raises UserError naming the field."""
     validate_layout(nproc, run.parallel.ep, run.model.num_experts, run.parallel.cp,
                     run.parallel.pp, run.parallel.tp)
-    per_rank_tokens = run.data.batch_size * run.data.seq_len
+    cp = run.parallel.cp
+    if run.data.seq_len % (2 * cp):
+        raise UserError(f"parallel.cp: data.seq_len={run.data.seq_len} does not split into "
+                        f"2*cp={2 * cp} equal zigzag pieces")
+    per_rank_tokens = run.data.batch_size * run.data.seq_len // cp
     if run.parallel.chunks > per_rank_tokens:
         raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the "
                         f"{per_rank_tokens} tokens a rank holds per layer")

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from longmoe.model.moe import GroupedExperts
 from longmoe.model.transformer import MoETransformer
 from longmoe.ops.recompute import apply_recompute
+from longmoe.parallel.context_parallel import ContextParallel
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 from longmoe.parallel.fsdp import apply_fsdp
 from longmoe.parallel.mesh import Layout
@@ -32,6 +33,10 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     model.init_weights(run.train.seed)
     model.head.impl = run.impl.linear_ce
     model.head.chunk_tokens = run.impl.ce_chunk_tokens or None
+    if layout.cp > 1:
+        cp = ContextParallel(layout.cp_group, run.data.seq_len)
+        for block in model.layers:
+            block.attn.cp = cp
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks)

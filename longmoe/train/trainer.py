@@ -19,7 +19,7 @@ from longmoe.train.config import RunConfig
 from longmoe.train.data import make_source
 from longmoe.train.progress import Progress
 from longmoe.train.setup import build_model, clip_grad_norm
-from longmoe.train.step import forward_backward, global_token_count
+from longmoe.train.step import forward_backward, global_token_count, local_batch
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(run.train.seed + rank)
-    layout = build_layout(backend.device_type, run.parallel.ep)
+    layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
     model = build_model(run, layout, device)
     o = run.optim
     optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -81,18 +81,19 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         else:
             progress.info(f"no checkpoint in {opts.checkpoint_dir}; starting fresh")
     progress.info(f"longmoe: {world} rank(s) on {backend.name}, ep={layout.ep}, "
-                  f"fsdp={run.parallel.fsdp}, recompute={run.parallel.recompute}, "
+                  f"cp={layout.cp}, fsdp={run.parallel.fsdp}, recompute={run.parallel.recompute}, "
                   f"chunks={run.parallel.chunks}, linear_ce={run.impl.linear_ce}, "
                   f"params {model_meta['num_layers']} layers")
 
     for step in range(start, run.train.steps):
-        batch = source.batch(step, rank, world).to(device)
+        batch, positions = local_batch(source.batch(step, layout.data_rank, layout.data_world)
+                                       .to(device), layout)
         global_tokens = global_token_count(batch, layout)
         backend.synchronize()
         backend.reset_peak_memory()
         t0 = time.perf_counter()
 
-        loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens)
+        loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens, positions)
         gnorm = clip_grad_norm(model, o.grad_clip, layout)
         optim.step()
         optim.zero_grad(set_to_none=True)

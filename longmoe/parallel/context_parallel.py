@@ -1,0 +1,89 @@
+"""Context parallelism: each of `cp` ranks holds 1/cp of every sequence, split zigzag so causal
+attention work is balanced; attention all-gathers K/V over the CP group (their gradients are
+reduce-scattered back) and masks lower-right-aligned per local piece.
+
+Legend: B batch, S sequence, s = S / cp local tokens, P = S / (2 cp) piece length, N heads,
+K kv heads, D head dim.
+
+Zigzag: the sequence is cut into 2*cp pieces; CP rank r holds pieces r and 2*cp - 1 - r, so every
+rank gets one early (cheap) and one late (expensive) piece of the causal triangle. RoPE positions,
+labels, advantages and old log-probs are sliced with the same index, so everything per token
+stays aligned; the MoE and the LM head are per-token and need nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+# torch 2.13 renames the tensor collectives; 2.11 (the GPU image) has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def zigzag_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions of this CP rank's tokens, in its local order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible into 2*cp={2 * cp} pieces")
+    P = seq_len // (2 * cp)
+    first, second = cp_rank, 2 * cp - 1 - cp_rank
+    return torch.cat([torch.arange(first * P, (first + 1) * P, device=device),
+                      torch.arange(second * P, (second + 1) * P, device=device)])
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 of a [s, ...] tensor over the CP group; backward reduce-scatters
+    (sums) the gradient, since every rank's queries read every rank's keys."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        _all_gather(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        world = dist.get_world_size(ctx.group)
+        gx = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
+        _reduce_scatter(gx, g.contiguous(), group=ctx.group)
+        return gx, None
+
+
+class ContextParallel:
+    """What one attention layer needs to run over a CP group."""
+
+    def __init__(self, group, seq_len: int):
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.seq_len = seq_len
+        # Rank-major gathered order -> global sequence order.
+        order = torch.cat([zigzag_positions(seq_len, self.cp, r) for r in range(self.cp)])
+        self.to_global = torch.argsort(order)
+
+    def gather_kv(self, k_BsKD: torch.Tensor) -> torch.Tensor:
+        """[B, s, K, D] local keys (or values) -> [B, S, K, D] in global order."""
+        k_sBKD = _GatherSeq.apply(k_BsKD.transpose(0, 1), self.group)
+        return k_sBKD[self.to_global.to(k_sBKD.device)].transpose(0, 1)
+
+    def attention(self, q_BNsD, k_BKSD, v_BKSD, enable_gqa: bool) -> torch.Tensor:
+        """Causal attention of the two local query pieces against the global keys/values."""
+        P = self.seq_len // (2 * self.cp)
+        outs = []
+        for piece, j in ((0, self.rank), (1, 2 * self.cp - 1 - self.rank)):
+            q = q_BNsD[:, :, piece * P:(piece + 1) * P]
+            end = (j + 1) * P  # keys at global positions < end; the last P align with q
+            outs.append(F.scaled_dot_product_attention(
+                q, k_BKSD[:, :, :end], v_BKSD[:, :, :end], attn_mask=causal_lower_right(P, end),
+                enable_gqa=enable_gqa))
+        return torch.cat(outs, dim=2)
+
+
+def split_sequence(x_BS: torch.Tensor, positions_s: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a per-token [B, S] tensor (ids, labels, advantages, ...)."""
+    return x_BS.index_select(1, positions_s.to(x_BS.device))
