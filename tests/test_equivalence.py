@@ -47,3 +47,11 @@ def test_context_parallel_step_matches_world1(nproc, kw):
     seed = random.randrange(2**31)
     res = step_case(nproc, seed, fsdp=True, linear_ce="chunked", **kw)
     assert res.ok, (seed, res.failures())
+
+
+@pytest.mark.parametrize("kw", [dict(ep=1, chunks=1, fsdp=True), dict(ep=2, chunks=2, fsdp=False)],
+                         ids=["fsdp", "ep-no-fsdp"])
+def test_selective_recompute_step_matches_world1(kw):
+    seed = random.randrange(2**31)
+    res = step_case(2, seed, recompute="selective", linear_ce="chunked", **kw)
+    assert res.ok, (seed, res.failures())

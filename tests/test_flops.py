@@ -50,3 +50,12 @@ def test_dense_peak_lookup():
     assert dense_peak_flops({"device_name": "NVIDIA H200"}) == pytest.approx(989.4e12, rel=0.01)
     assert dense_peak_flops({"device_name": ""}) is None
     assert dense_peak_flops({"device_name": "Some Future GPU"}) is None
+
+
+def test_selective_recompute_adds_no_matmul_flops():
+    cfg = get_preset("tiny").replace(num_layers=2)
+    assert _counted(cfg, "selective", 2, 32) == _counted(cfg, "none", 2, 32)
+    mixed = step_flops(cfg, 64, 32, ("full", "selective"))
+    full = step_flops(cfg, 64, 32, "full")
+    none = step_flops(cfg, 64, 32, "none")
+    assert mixed.hardware == pytest.approx((full.hardware + none.hardware) / 2)

@@ -25,3 +25,27 @@ def test_policy_and_impl_errors():
         apply_recompute(block, "selective-ish")
     with pytest.raises(ImplUnavailable, match="unknown impl"):
         apply_recompute(block, "full", impl="nope")
+
+
+def test_selective_recompute_is_exact_and_sits_between():
+    seed = random.randrange(2**31)
+    sel = recompute_case("auto", seed, policy="selective")
+    full = recompute_case("auto", seed, policy="full")
+    assert sel.ok, sel.failures()
+    ref = sel.peak_bytes["reference"]
+    # Peak tensor bytes: selective keeps more than full, never more than storing everything.
+    assert full.peak_bytes["candidate"] <= sel.peak_bytes["candidate"] < ref, (sel.peak_bytes,
+                                                                               full.peak_bytes)
+
+
+def test_per_layer_policies_in_the_run_config():
+    from longmoe.errors import ConfigError
+    from longmoe.train.config import from_dict
+    run = from_dict({"model": {"preset": "tiny", "num_layers": 3},
+                     "parallel": {"recompute": ["full", "selective", "none"]}})
+    assert run.parallel.recompute == ("full", "selective", "none")
+    with pytest.raises(ConfigError, match="3 per-layer"):
+        from_dict({"model": {"preset": "tiny", "num_layers": 2},
+                   "parallel": {"recompute": ["full", "selective", "none"]}})
+    with pytest.raises(ConfigError, match="parallel.recompute"):
+        from_dict({"parallel": {"recompute": "some"}})

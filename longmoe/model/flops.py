@@ -8,7 +8,9 @@ Per token and layer, forward (a multiply-add is 2 FLOPs):
   routed experts         top_k * 6*H*F                        (gate+up: 4*H*F, down: 2*F*H)
   shared expert          6*H*Fs + 2*H                         (and its sigmoid gate)
 and once per token the LM head 2*H*V. Training is 3x forward (backward = 2x). Full recompute runs
-each block's forward again (+1x the layers, not the head: linear CE is not recomputed).
+each block's forward again (+1x the layers, not the head: linear CE is not recomputed); selective
+recompute keeps every matmul/attention output and re-runs only memory-bound ops, which add no
+matmul FLOPs (counted as 0 here).
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool =
     return proj + core + router + routed + shared
 
 
-def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute: str = "none",
+def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute="none",
                causal: bool = True) -> StepFlops:
-    """FLOPs of one fwd+bwd over `tokens` tokens arranged in sequences of `seq_len`."""
+    """FLOPs of one fwd+bwd over `tokens` tokens arranged in sequences of `seq_len`;
+    `recompute` is one policy or one per layer."""
     layers = cfg.num_layers * layer_forward_flops_per_token(cfg, seq_len, causal) * tokens
     head = 2 * cfg.hidden_size * cfg.vocab_size * tokens
     model = 3 * (layers + head)
-    extra = layers if recompute == "full" else 0.0
+    policies = [recompute] * cfg.num_layers if isinstance(recompute, str) else list(recompute)
+    extra = layers * sum(p == "full" for p in policies) / cfg.num_layers
     core = cfg.num_layers * attention_core_flops_per_token(cfg, seq_len, causal) * tokens
     return StepFlops(model=model, hardware=model + extra, forward_layers=layers, forward_head=head,
                      forward_attn_core=core)

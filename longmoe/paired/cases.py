@@ -127,9 +127,9 @@ def grouped_mm_case(impl="auto", seed=0, sizes=(5, 0, 17, 1, 9), K=32, N=48,
     return res
 
 
-def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None) -> PairedResult:
-    """A stack of tiny-preset blocks, full recompute vs stored activations: identical math, so
-    the tolerance is fp32 round-off; the memory column shows what recompute frees."""
+def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="full") -> PairedResult:
+    """A stack of tiny-preset blocks, recompute (`policy`) vs stored activations: identical math,
+    so the tolerance is fp32 round-off; the memory column shows what recompute frees."""
     from longmoe.model.transformer import MoETransformer
     backend = active_backend()
     device = device or backend.device(0)
@@ -145,7 +145,7 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None) -> PairedR
         m.layers = torch.nn.ModuleList(apply_recompute(b, policy, impl) for b in m.layers)
         return m
 
-    models = {"full": build("full"), "none": build("none")}
+    models = {"full": build(policy), "none": build("none")}
 
     def run(policy):
         m = models[policy]
@@ -156,7 +156,7 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None) -> PairedR
         return loss.detach(), {n.replace("block.", ""): p.grad.clone()
                                for n, p in m.named_parameters()}
 
-    res = PairedResult("recompute", "checkpoint" if impl == "auto" else impl, "none",
+    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({policy})", "none",
                        TOLERANCE[torch.float32], info={"layers": cfg.num_layers, "tokens": batch * seq})
     (lc, gc), (lr, gr) = run("full"), run("none")
     res.add("loss", lc, lr)

@@ -23,7 +23,8 @@ class ParallelConfig:
     ep: int = 1                     # expert-parallel group size (consecutive ranks)
     chunks: int = 1                 # chunked EP: token chunks per MoE layer
     fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
-    recompute: str = "none"         # none | full
+    # none | selective | full, or one of those per layer (a list as long as model.num_layers)
+    recompute: str | tuple = "none"
     param_dtype: str = "float32"    # FSDP2 compute dtype (bfloat16 on GPUs)
     reduce_dtype: str = "float32"   # gradient reduction dtype
     reshard_after_forward: bool = True
@@ -36,8 +37,11 @@ class ParallelConfig:
             raise ConfigError("parallel.ep", f"must be >= 1, got {self.ep}")
         if self.chunks < 1:
             raise ConfigError("parallel.chunks", f"must be >= 1, got {self.chunks}")
-        if self.recompute not in ("none", "full"):
-            raise ConfigError("parallel.recompute", f"must be none or full, got {self.recompute!r}")
+        policies = (self.recompute,) if isinstance(self.recompute, str) else tuple(self.recompute)
+        for p in policies:
+            if p not in ("none", "selective", "full"):
+                raise ConfigError("parallel.recompute",
+                                  f"must be none, selective or full (or a list of them), got {p!r}")
         for f in ("param_dtype", "reduce_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ConfigError(f"parallel.{f}", f"must be one of {_DTYPES}")
@@ -162,10 +166,14 @@ def _section(cls, raw: Any, name: str):
             raise ConfigError(f"{name}.{k}", f"expected an integer, got {v!r}")
         if want == "bool" and not isinstance(v, bool):
             raise ConfigError(f"{name}.{k}", f"expected true or false, got {v!r}")
+        if k == "recompute" and isinstance(v, list):
+            continue
         if want == "str" and not isinstance(v, str):
             raise ConfigError(f"{name}.{k}", f"expected a string, got {v!r}")
     if "betas" in raw:
         raw = {**raw, "betas": tuple(raw["betas"])}
+    if isinstance(raw.get("recompute"), list):
+        raw = {**raw, "recompute": tuple(raw["recompute"])}
     return cls(**raw)
 
 
@@ -176,7 +184,12 @@ def from_dict(raw: dict) -> RunConfig:
         if k != "model" and k not in _SECTIONS:
             raise ConfigError(k, f"unknown section; valid: model, {', '.join(_SECTIONS)}")
     parts = {k: _section(cls, raw.get(k), k) for k, cls in _SECTIONS.items()}
-    return RunConfig(model=model_config_from(raw.get("model")), **parts)
+    model = model_config_from(raw.get("model"))
+    rc = parts["parallel"].recompute
+    if not isinstance(rc, str) and len(rc) != model.num_layers:
+        raise ConfigError("parallel.recompute", f"has {len(rc)} per-layer policies for "
+                                                f"model.num_layers={model.num_layers}")
+    return RunConfig(model=model, **parts)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

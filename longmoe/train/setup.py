@@ -41,12 +41,17 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks)
         moe.batch_group = layout.batch_group
-    model.layers = nn.ModuleList(apply_recompute(b, par.recompute, run.impl.recompute)
-                                 for b in model.layers)
+    model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),
+                                                 run.impl.recompute)
+                                 for i, b in enumerate(model.layers))
     if par.fsdp and layout.dp_mesh is not None:
         apply_fsdp(model, layout, torch_dtype(par.param_dtype), torch_dtype(par.reduce_dtype),
                    par.reshard_after_forward)
     return model
+
+
+def layer_policy(recompute, i: int) -> str:
+    return recompute if isinstance(recompute, str) else recompute[i]
 
 
 def _expert_param_ids(model: nn.Module) -> set[int]:
