@@ -5,9 +5,12 @@ Each save goes to DIR/step-N.tmp-<nonce>/ and becomes visible only through os.re
 rank finished; DIR/latest (also replaced atomically) names the newest complete step. A crash
 mid-save leaves a .tmp directory that is never loaded and is cleaned by the next save.
 
-Expert parameters are EP-local slices that share one name on every EP rank; their state-dict keys
-carry the EP coordinate (`...@ep1of2`) so DCP keeps them apart. A checkpoint therefore resumes at
-the same EP size; resharding to another layout comes with issue D.
+Resharding: dense parameters are FSDP2 DTensors, which DCP reshards to any world size by itself.
+Expert stacks are EP-local (rank r holds experts [r*L, (r+1)*L), further sharded by FSDP), so the
+state dict stores them one expert per key (`...experts.w_in/expert00042`, the same for their AdamW
+moments) as views into the local shard: each expert is written once, wherever it lives, and a run
+with another EP size or world size loads exactly the experts it owns. Together with data keyed by
+global sequence index, a checkpoint saved on 4 ranks (EP2 x FSDP2) resumes on 2 ranks.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from torch.distributed.tensor import DTensor
+
 from longmoe.errors import UserError
 
-_EXPERT_KEYS = (".experts.w_in", ".experts.w_out")
+_EXPERT = "/expert"
 
 
 def _rank() -> int:
@@ -38,23 +43,56 @@ def _barrier():
         dist.barrier()
 
 
-def _tag(key: str, ep_rank: int, ep: int) -> str:
-    return f"{key}@ep{ep_rank}of{ep}" if key.endswith(_EXPERT_KEYS) and ep > 1 else key
+def _expert_rows(model) -> dict[str, list[int]]:
+    """FQN of each expert stack -> the global expert index of each of its local rows."""
+    from longmoe.model.moe import GroupedExperts
+    out = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, GroupedExperts):
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            rows = torch.arange(mod.num_local)
+            if isinstance(p, DTensor):  # FSDP2 shards dim 0 over the expert mesh, torch.chunk-wise
+                mesh = p.device_mesh
+                chunks = rows.chunk(mesh.size())
+                coord = mesh.get_local_rank()
+                rows = chunks[coord] if coord < len(chunks) else rows[:0]
+            out[f"{name}.{pname}"] = (mod.first_expert + rows).tolist()
+    return out
 
 
-def _untag(key: str) -> str:
-    return key.split("@ep", 1)[0]
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _state(model, optim, ep_rank: int, ep: int) -> dict:
-    msd = {_tag(k, ep_rank, ep): v for k, v in get_model_state_dict(model).items()}
+def _per_expert(sd: dict, rows: dict[str, list[int]]) -> dict:
+    """Replace each expert stack (or its optimizer-state dict) by per-expert views."""
+    out = {}
+    for k, v in sd.items():
+        if k not in rows:
+            out[k] = v
+            continue
+        for i, e in enumerate(rows[k]):
+            key = f"{k}{_EXPERT}{e:05d}"
+            if isinstance(v, dict):  # AdamW state: moments per row, the shared step as is
+                out[key] = {sk: (_local(sv)[i] if torch.is_tensor(sv) and sv.dim() > 0 else sv)
+                            for sk, sv in v.items()}
+            else:
+                out[key] = _local(v)[i]
+    return out
+
+
+def _state(model, optim):
+    """(what DCP saves/loads, the torch state dicts it is a view of)."""
+    rows = _expert_rows(model)
+    msd = get_model_state_dict(model)
     osd = get_optimizer_state_dict(model, optim)
-    osd = {**osd, "state": {_tag(k, ep_rank, ep): v for k, v in osd["state"].items()}}
-    return {"model": msd, "optim": osd}
+    flat = {"model": _per_expert(msd, rows),
+            "optim": {**osd, "state": _per_expert(osd["state"], rows)}}
+    return flat, msd, osd
 
 
-def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, meta: dict,
-         backend):
+def save(ckpt_dir: str | Path, step: int, model, optim, meta: dict, backend):
     root = Path(ckpt_dir)
     final = root / f"step-{step:08d}"
     nonce = [uuid.uuid4().hex[:8]]
@@ -70,12 +108,12 @@ def save(ckpt_dir: str | Path, step: int, model, optim, ep_rank: int, ep: int, m
                 stale.unlink(missing_ok=True)
         tmp.mkdir()
     _barrier()
-    dcp.save(_state(model, optim, ep_rank, ep), checkpoint_id=str(tmp))
+    dcp.save(_state(model, optim)[0], checkpoint_id=str(tmp))
     torch.save({"cpu": torch.get_rng_state(), "device": backend.get_rng_state()},
                tmp / f"rng-rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "ep": ep}, indent=1))
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
         # Re-saving a step: move the old copy aside first, so some complete copy is always named
         # by `latest` (the old one until the rename, the new one after).
         old = root / f"step-{step:08d}.tmp-old-{nonce[0]}"
@@ -104,26 +142,23 @@ def latest(ckpt_dir: str | Path) -> Path | None:
     return path
 
 
-def check_compatible(path: Path, model_cfg: dict, ep: int):
+def check_compatible(path: Path, model_cfg: dict):
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("model") != model_cfg:
         saved = meta.get("model") or {}
         diff = sorted(k for k in set(model_cfg) | set(saved) if saved.get(k) != model_cfg.get(k))
         raise UserError(f"checkpoint {path}: model differs from the config in {', '.join(diff)}")
-    if meta.get("ep") != ep:
-        raise UserError(f"checkpoint {path}: saved with ep={meta.get('ep')}, run has ep={ep} "
-                        "(resharding experts across EP sizes is not supported yet)")
     return meta
 
 
-def load(path: Path, model, optim, ep_rank: int, ep: int, backend) -> dict:
-    state = _state(model, optim, ep_rank, ep)
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, {_untag(k): v for k, v in state["model"].items()})
-    osd = state["optim"]
-    osd = {**osd, "state": {_untag(k): v for k, v in osd["state"].items()}}
+def load(path: Path, model, optim, backend) -> dict:
+    flat, msd, osd = _state(model, optim)
+    dcp.load(flat, checkpoint_id=str(path))  # in place: the per-expert views write into msd/osd
+    set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optim, osd)
-    rng = torch.load(path / f"rng-rank{_rank()}.pt", weights_only=False)
-    torch.set_rng_state(rng["cpu"])
-    backend.set_rng_state(rng["device"])
+    rng_file = path / f"rng-rank{_rank()}.pt"
+    if rng_file.exists():  # a rank the saving run did not have starts from its seed
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        backend.set_rng_state(rng["device"])
     return json.loads((path / "meta.json").read_text())

@@ -84,31 +84,37 @@ class SyntheticSource:
         self.rule = torch.randperm(vocab_size, generator=g)
 
     def batch(self, step: int, rank: int, world: int) -> Batch:
+        """This rank's `batch_size` sequences of the step's global batch. Each GRPO group is
+        drawn from its own generator keyed by (seed, step, global group index), so the global
+        batch is the same whatever the world size: a run resumed on other GPUs sees the data an
+        uninterrupted run would have."""
         cfg, V, G = self.cfg, self.vocab, self.cfg.group_size
-        g = torch.Generator().manual_seed(self.seed * 7919 + step * 104729 + rank)
-        n_groups = -(-cfg.batch_size // G)
-        N, P = n_groups * G, cfg.prompt_len
-        R = cfg.seq_len - P + 1  # longest response that still has a label position
-        prompts = torch.randint(0, V, (n_groups, P), generator=g).repeat_interleave(G, 0)
-        # Equal lengths make a group's token-weighted advantages sum to zero, so the surrogate
-        # starts at exactly 0 (ratio 1) and every later fall is learning, not length noise.
-        lengths = torch.full((N,), R)
-        q = torch.rand(N, generator=g)
-        follow = torch.rand(N, R, generator=g) < q[:, None]
-        noise = torch.randint(0, V, (N, R), generator=g)
+        first = rank * cfg.batch_size
+        g0, g1 = first // G, (first + cfg.batch_size - 1) // G + 1
+        P, R = cfg.prompt_len, cfg.seq_len - cfg.prompt_len + 1  # R: longest labelled response
+        prompts, q, follow, noise = [], [], [], []
+        for grp in range(g0, g1):
+            g = torch.Generator().manual_seed(self.seed * 7919 + step * 104729 + grp * 15485863)
+            prompts.append(torch.randint(0, V, (1, P), generator=g).expand(G, P))
+            qg = torch.rand(G, generator=g)
+            q.append(qg)
+            follow.append(torch.rand(G, R, generator=g) < qg[:, None])
+            noise.append(torch.randint(0, V, (G, R), generator=g))
+        prompts, follow, noise = torch.cat(prompts), torch.cat(follow), torch.cat(noise)
+        N = prompts.shape[0]
         resp = torch.empty(N, R, dtype=torch.long)
         prev = prompts[:, -1]
-        for j in range(R):  # sequential in j, vectorised over the N responses
+        for j in range(R):  # sequential in j, vectorised over the responses
             prev = torch.where(follow[:, j], self.rule[prev], noise[:, j])
             resp[:, j] = prev
-        live = torch.arange(R)[None, :] < lengths[:, None]
-        reward = (follow & live).sum(1) / lengths
-        rg = reward.view(n_groups, G)
+        # Equal lengths make a group's token-weighted advantages sum to zero, so the surrogate
+        # starts at exactly 0 (ratio 1) and every later fall is learning, not length noise.
+        rg = follow.float().mean(1).view(-1, G)
         adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, unbiased=False, keepdim=True) + 1e-4))
-        samples = [{"prompt": prompts[i].tolist(), "response": resp[i, : lengths[i]].tolist(),
-                    "advantage": float(adv.view(-1)[i]),
-                    "old_logprobs": [-math.log(V)] * int(lengths[i])}
-                   for i in range(cfg.batch_size)]
+        lo = first - g0 * G
+        samples = [{"prompt": prompts[i].tolist(), "response": resp[i].tolist(),
+                    "advantage": float(adv.view(-1)[i]), "old_logprobs": [-math.log(V)] * R}
+                   for i in range(lo, lo + cfg.batch_size)]
         return _pack(samples, cfg.seq_len)
 
 

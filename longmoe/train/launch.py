@@ -63,7 +63,7 @@ def check_resume(run: RunConfig, opts: RunOptions):
     if path is not None:
         model_meta = asdict(run.model)
         model_meta["layer_types"] = list(model_meta["layer_types"])  # as JSON gives it back
-        ckpt.check_compatible(path, model_meta, run.parallel.ep)
+        ckpt.check_compatible(path, model_meta)
 
 
 def _fresh_metrics(opts: RunOptions):

@@ -72,8 +72,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     if opts.resume and opts.checkpoint_dir:
         path = ckpt.latest(opts.checkpoint_dir)
         if path is not None:
-            ckpt.check_compatible(path, model_meta, layout.ep)
-            meta = ckpt.load(path, model, optim, layout.ep_rank, layout.ep, backend)
+            ckpt.check_compatible(path, model_meta)
+            meta = ckpt.load(path, model, optim, backend)
             start = meta["step"]
             for _ in range(start):
                 sched.step()
@@ -124,8 +124,9 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         every = run.train.checkpoint_every
         last = step + 1 == run.train.steps
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
-            path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim, layout.ep_rank,
-                             layout.ep, {"model": model_meta}, backend)
+            saved_by = {"world": world, "ep": layout.ep, "cp": layout.cp}  # informational
+            path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim,
+                             {"model": model_meta, "layout": saved_by}, backend)
             progress.info(f"checkpoint: {path}")
     return progress.summary({"world": world, "backend": backend.name})
 
