@@ -12,7 +12,8 @@ from longmoe.paired.dist_cases import step_case
     dict(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked"),   # everything on
     dict(ep=1, chunks=1, recompute="none", fsdp=True, linear_ce="naive"),     # FSDP2 alone
     dict(ep=2, chunks=3, recompute="none", fsdp=False, linear_ce="chunked"),  # EP without FSDP
-], ids=["all-primitives", "fsdp-only", "ep-no-fsdp"])
+    dict(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked", cpu_offload=True),
+], ids=["all-primitives", "fsdp-only", "ep-no-fsdp", "fsdp-cpu-offload"])
 def test_world2_step_matches_world1(kw):
     seed = random.randrange(2**31)
     res = step_case(2, seed, **kw)

@@ -9,7 +9,7 @@ longmoe.train.setup.finish_grads for how the trainer turns that average into the
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from longmoe.model.transformer import MoETransformer
 from longmoe.ops.recompute import Recompute
@@ -17,15 +17,18 @@ from longmoe.parallel.mesh import Layout
 
 
 def apply_fsdp(model: MoETransformer, layout: Layout, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, reshard_after_forward: bool = True) -> MoETransformer:
+               reduce_dtype: torch.dtype, reshard_after_forward: bool = True,
+               cpu_offload: bool = False, pin_memory: bool = True) -> MoETransformer:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kw = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
+    kw = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     for layer in model.layers:
         block = layer.block if isinstance(layer, Recompute) else layer
         if layout.ep > 1:
             fully_shard(block.moe.experts, mesh=layout.expert_mesh, **kw)
         fully_shard(layer, mesh=layout.dp_mesh, **kw)
     # The head's weight is saved for the linear-CE backward right after forward: keep it unsharded.
-    fully_shard(model.head, mesh=layout.dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model.head, mesh=layout.dp_mesh, mp_policy=mp, reshard_after_forward=False,
+                offload_policy=offload)
     fully_shard(model, mesh=layout.dp_mesh, **kw)
     return model

@@ -28,7 +28,10 @@ class ParallelConfig:
     param_dtype: str = "float32"    # FSDP2 compute dtype (bfloat16 on GPUs)
     reduce_dtype: str = "float32"   # gradient reduction dtype
     reshard_after_forward: bool = True
-    cp: int = 1                     # reserved: context parallel (issue D)
+    # FSDP2 CPU offload: sharded params, grads and AdamW state live in host memory; the
+    # optimizer step runs on the CPU (frees ~12 bytes/param of device memory, costs PCIe time).
+    cpu_offload: bool = False
+    cp: int = 1                     # context parallel: ranks sharing each sequence (zigzag)
     pp: int = 1                     # reserved: pipeline parallel
     tp: int = 1                     # reserved: tensor parallel
 

@@ -46,7 +46,8 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
                                  for i, b in enumerate(model.layers))
     if par.fsdp and layout.dp_mesh is not None:
         apply_fsdp(model, layout, torch_dtype(par.param_dtype), torch_dtype(par.reduce_dtype),
-                   par.reshard_after_forward)
+                   par.reshard_after_forward, par.cpu_offload,
+                   pin_memory=device.type != "cpu")  # pinning needs an accelerator runtime
     return model
 
 
