@@ -17,7 +17,7 @@ def _gib(b: float) -> str:
 class Progress:
     def __init__(self, enabled: bool, total_steps: int, metrics_out: str | None, memory_label: str):
         self.enabled, self.total = enabled, total_steps
-        self.console = Console(stderr=False, highlight=False, width=120)
+        self.console = Console(stderr=False, highlight=False, width=160)
         self.rows: list[dict] = []
         self.memory_label = memory_label
         self.t0 = time.perf_counter()
