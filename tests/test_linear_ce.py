@@ -90,3 +90,26 @@ def test_bad_inputs_name_the_argument():
         linear_cross_entropy(h, w, y, reduction="avg")
     with pytest.raises(ImplUnavailable, match="unknown impl"):
         linear_logprobs(h, w, y, impl="nope")
+
+
+def test_liger_adapter_is_behind_the_same_api():
+    h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    # On CPU (or without liger-kernel) a named impl that cannot run fails with the reason.
+    if h.device.type == "cpu":
+        with pytest.raises(ImplUnavailable, match="liger"):
+            linear_cross_entropy(h, w, y, impl="liger")
+    with pytest.raises(ImplUnavailable, match="liger"):
+        linear_logprobs(h, w, y, impl="liger")  # liger gives the loss only
+
+
+@pytest.mark.needs_cuda
+def test_liger_adapter_matches_reference_on_gpu():
+    pytest.importorskip("liger_kernel")
+    g = torch.Generator().manual_seed(fresh_seed())
+    h = torch.randn(301, 64, generator=g).cuda().bfloat16()
+    w = (torch.randn(1003, 64, generator=g) * 0.1).cuda().bfloat16()
+    y = torch.randint(0, 1003, (301,), generator=g).cuda()
+    y[::9] = -100
+    a = linear_cross_entropy(h, w, y, impl="liger")
+    b = linear_cross_entropy(h.float(), w.float(), y, impl="naive")
+    assert abs(float(a) - float(b)) < 2e-2 * abs(float(b))

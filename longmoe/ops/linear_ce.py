@@ -10,6 +10,8 @@ Implementations (registry "linear_ce"):
            memory is one fp32 [C, V] chunk plus its gradient. Runs everywhere.
   triton   the same chunking with the row statistics and the logit gradient in Triton kernels
            (ops/kernels/ce_rows.py); GPUs, or CPU under TRITON_INTERPRET=1.
+  liger    liger-kernel's fused linear CE (loss only; never picked by "auto"), an adapter so the
+           peer runs behind the same API.
 The fused-gradient paths (CE with mean/sum reduction, the RL policy loss) live in
 linear_ce_fused.py: they know each token's gradient weight in the forward, so they never
 recompute the logits (6*T*H*V FLOPs instead of 8).
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from longmoe.ops.linear_ce_engines import ENGINES, TritonRows, accumulate_dw, logits_into
-from longmoe.ops.registry import Registry
+from longmoe.ops.registry import ImplUnavailable, Registry
 
 LINEAR_CE = Registry("linear_ce")
 
@@ -54,6 +56,13 @@ def _check_inputs(hidden, weight, labels):
                          f"{labels.device}: all must share one device")
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"labels must be int64 or int32, got {labels.dtype}")
+
+
+def _flat_checked(hidden, weight, labels, ignore_index):
+    _check_inputs(hidden, weight, labels)
+    h_TH, labels_T = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+    _check_label_range(labels_T, weight.shape[0], ignore_index)
+    return h_TH, labels_T
 
 
 def _check_label_range(labels_T, vocab, ignore_index):
@@ -135,6 +144,30 @@ def _engine_impl(engine_name: str):
     return fn
 
 
+def _liger_check(h, w, y):
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return "liger-kernel is not installed"
+    if h.device.type == "cpu":
+        return "liger-kernel's Triton kernels need a GPU"
+    return None
+
+
+@LINEAR_CE.register("liger", priority=-10, check=_liger_check)
+def _liger_logprobs(*args, **kw):
+    # Reached only through linear_logprobs(impl="liger"): liger-kernel fuses the CE loss but
+    # does not return per-token log-probs or entropy.
+    raise ImplUnavailable("linear_ce: impl 'liger' computes the CE loss only; use it with "
+                          "linear_cross_entropy, or pick chunked/triton for log-probs")
+
+
+def _liger_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction=reduction)(
+        w_VH, h_TH, labels_T)
+
+
 LINEAR_CE.register("chunked", priority=10)(_engine_impl("torch"))
 LINEAR_CE.register("triton", priority=20, check=lambda h, w, y: TritonRows.ready(h.device))(
     _engine_impl("triton"))
@@ -174,13 +207,17 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100,
     (0, still connected to the graph, when every token is ignored)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
-    if reduction != "none":
+    if impl == "liger":  # the adapter to liger-kernel's fused linear CE (a benchmark peer)
+        h_TH, labels_T = _flat_checked(hidden, weight, labels, ignore_index)
+        LINEAR_CE.select("liger", h_TH, weight, labels_T)  # raises with the reason if unusable
+        out = _liger_cross_entropy(h_TH, weight, labels_T, ignore_index, reduction)
+        return out.view(labels.shape) if reduction == "none" else out
+    if reduction != "none":  # the per-token gradient weight is known: gradients in the forward
         from longmoe.ops.linear_ce_fused import fused_cross_entropy
-        _check_inputs(hidden, weight, labels)
-        h_TH, labels_T = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
-        _check_label_range(labels_T, weight.shape[0], ignore_index)
-        loss = fused_cross_entropy(h_TH, weight, labels_T, ignore_index, reduction, impl, chunk_tokens)
-        if loss is not None:
+        h_TH, labels_T = _flat_checked(hidden, weight, labels, ignore_index)
+        loss = fused_cross_entropy(h_TH, weight, labels_T, ignore_index, reduction, impl,
+                                   chunk_tokens)
+        if loss is not None:  # None: the impl resolved to the naive reference
             return loss
     lp, _ = linear_logprobs(hidden, weight, labels, ignore_index=ignore_index, impl=impl,
                             chunk_tokens=chunk_tokens)
