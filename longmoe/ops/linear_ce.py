@@ -185,6 +185,17 @@ def _naive(h_TH, w_VH, labels_T, ignore_index, with_entropy, chunk_tokens=None):
     return lp_T, ent_T
 
 
+def _naive_cross_entropy_z(h_TH, w_VH, labels_T, ignore_index, reduction, z_loss):
+    """The reference for CE + z-loss: full logits."""
+    z_TV = (h_TH @ w_VH.T).to(_acc_dtype(h_TH.dtype))
+    lse_T = torch.logsumexp(z_TV, -1)
+    valid_T = labels_T != ignore_index
+    tgt_T = z_TV.gather(1, torch.where(valid_T, labels_T, 0)[:, None])[:, 0]
+    per_T = torch.where(valid_T, lse_T - tgt_T + z_loss * lse_T * lse_T, 0.0)
+    n = valid_T.sum().clamp(min=1) if reduction == "mean" else 1
+    return per_T.sum() / n
+
+
 def linear_logprobs(hidden, weight, labels, *, ignore_index: int = -100, with_entropy: bool = False,
                     impl: str = "auto", chunk_tokens: int | None = None):
     """Per-token log p(label) (fp32, shape of labels) and optionally the entropy of the full
@@ -202,11 +213,14 @@ def linear_logprobs(hidden, weight, labels, *, ignore_index: int = -100, with_en
 
 def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100,
                          reduction: str = "mean", impl: str = "auto",
-                         chunk_tokens: int | None = None):
+                         chunk_tokens: int | None = None, z_loss: float = 0.0):
     """Cross-entropy of hidden @ weight.T against labels; "mean" averages over non-ignored tokens
-    (0, still connected to the graph, when every token is ignored)."""
+    (0, still connected to the graph, when every token is ignored). `z_loss` adds
+    z_loss * lse^2 per token (same reduction), which keeps the logits' scale in check."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+    if z_loss and (reduction == "none" or impl == "liger"):
+        raise ValueError("z_loss needs reduction mean or sum and a longmoe impl")
     if impl == "liger":  # the adapter to liger-kernel's fused linear CE (a benchmark peer)
         h_TH, labels_T = _flat_checked(hidden, weight, labels, ignore_index)
         LINEAR_CE.select("liger", h_TH, weight, labels_T)  # raises with the reason if unusable
@@ -216,9 +230,11 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100,
         from longmoe.ops.linear_ce_fused import fused_cross_entropy
         h_TH, labels_T = _flat_checked(hidden, weight, labels, ignore_index)
         loss = fused_cross_entropy(h_TH, weight, labels_T, ignore_index, reduction, impl,
-                                   chunk_tokens)
+                                   chunk_tokens, z_loss)
         if loss is not None:  # None: the impl resolved to the naive reference
             return loss
+        if z_loss:
+            return _naive_cross_entropy_z(h_TH, weight, labels_T, ignore_index, reduction, z_loss)
     lp, _ = linear_logprobs(hidden, weight, labels, ignore_index=ignore_index, impl=impl,
                             chunk_tokens=chunk_tokens)
     nll = -lp

@@ -72,7 +72,7 @@ class TorchRows:
         return lse_C, tgt_C, ent_C
 
     @staticmethod
-    def grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int):
+    def grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int, w_lse_C=None):
         valid = labels_C != ignore_index
         p = torch.exp(z_CV - lse_C[:, None])
         w_lp = torch.where(valid, w_lp_C, 0.0)
@@ -80,6 +80,8 @@ class TorchRows:
         g.scatter_add_(1, torch.where(valid, labels_C, 0)[:, None], w_lp[:, None])
         if w_ent_C is not None:
             g -= torch.where(valid, w_ent_C, 0.0)[:, None] * p * (z_CV - ez_C[:, None])
+        if w_lse_C is not None:
+            g += torch.where(valid, w_lse_C, 0.0)[:, None] * p
         dz_CV.copy_(g)
         return dz_CV
 
@@ -114,13 +116,15 @@ class TritonRows:
         return lse_C, tgt_C, ent_C
 
     @classmethod
-    def grad(cls, z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int):
+    def grad(cls, z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int,
+             w_lse_C=None):
         from longmoe.ops.kernels.ce_rows import launch_grad
         launch_grad(z_CV, dz_CV, labels_C, lse_C.float().contiguous(),
                     None if ez_C is None else ez_C.float().contiguous(),
                     w_lp_C.float().contiguous(),
                     None if w_ent_C is None else w_ent_C.float().contiguous(),
-                    ignore_index, cls._cfg(z_CV.device))
+                    ignore_index, cls._cfg(z_CV.device),
+                    None if w_lse_C is None else w_lse_C.float().contiguous())
         return dz_CV
 
 

@@ -20,8 +20,9 @@ from longmoe.ops.linear_ce import (LINEAR_CE, _acc_dtype, _check_inputs, _check_
 from longmoe.ops.linear_ce_engines import ENGINES, accumulate_dw, logits_into
 from longmoe.ops.registry import Registry
 
-# weights(sl, lp_C, ent_C) -> (loss_C per token, w_lp_C, w_ent_C or None): d loss / d logp and
-# d loss / d entropy for the tokens of slice `sl`. Ignored tokens are masked by the kernels.
+# weights(sl, lp_C, ent_C, lse_C) -> (loss_C per token, w_lp_C, w_ent_C or None, w_lse_C or None):
+# d loss / d logp, d loss / d entropy and d loss / d log-sum-exp for the tokens of slice `sl`.
+# Ignored tokens are masked by the kernels.
 WeightsFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple]
 
 
@@ -49,13 +50,14 @@ class _FusedGrad(torch.autograd.Function):
             if with_entropy:
                 ent_C = torch.where(valid_T[s:e], ent_C, 0.0)
                 ent_T[s:e] = ent_C
-            loss_C, w_lp_C, w_ent_C = weights(slice(s, e), lp_C, ent_C)
+            loss_C, w_lp_C, w_ent_C, w_lse_C = weights(slice(s, e), lp_C, ent_C, lse_C)
             loss += torch.where(valid_T[s:e], loss_C, 0.0).sum()
             if not (need_h or need_w):
                 continue
             ez_C = (lse_C - ent_C) if w_ent_C is not None else None
             dz_CV = engine.grad(z_CV, dz_buf[: e - s], y_C, lse_C, ez_C, w_lp_C.to(acc),
-                                None if w_ent_C is None else w_ent_C.to(acc), ignore_index)
+                                None if w_ent_C is None else w_ent_C.to(acc), ignore_index,
+                                None if w_lse_C is None else w_lse_C.to(acc))
             if need_h:
                 torch.mm(dz_CV, w_VH, out=dh_TH[s:e])
             if need_w:
@@ -79,17 +81,22 @@ def _engine_for(impl: str, h_TH, w_VH, labels_T):
     return ENGINES["triton" if chosen == "triton" else "torch"], chosen
 
 
-def fused_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction, impl, chunk_tokens):
-    """CE with the gradient in the forward; returns None when `impl` resolves to the naive path."""
+def fused_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction, impl, chunk_tokens,
+                        z_loss: float = 0.0):
+    """CE (+ z_loss * lse^2) with the gradient in the forward; returns None when `impl` resolves
+    to the naive path."""
     engine, _ = _engine_for(impl, h_TH, w_VH, labels_T)
     if engine is None:
         return None
     # One host sync for the token count: the per-token weight must be known in the forward.
     scale = 1.0 / max(int((labels_T != ignore_index).sum()), 1) if reduction == "mean" else 1.0
 
-    def weights(sl, lp_C, ent_C):
+    def weights(sl, lp_C, ent_C, lse_C):
         w_lp = torch.full_like(lp_C, -scale)  # loss = -scale * sum(logp)
-        return lp_C * w_lp, w_lp, None
+        if not z_loss:
+            return lp_C * w_lp, w_lp, None, None
+        lse = lse_C.to(lp_C.dtype)  # + z_loss * scale * sum(lse^2): d/d lse = 2 z_loss scale lse
+        return lp_C * w_lp + z_loss * scale * lse * lse, w_lp, None, 2 * z_loss * scale * lse
 
     chunk = chunk_tokens or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
     loss, _, _ = _FusedGrad.apply(h_TH, w_VH, labels_T, ignore_index, chunk, False, engine, weights)
@@ -100,7 +107,7 @@ POLICY_LOSS = Registry("policy_loss")
 
 
 def _rl_weights(adv_T, old_T, clip_low, clip_high, entropy_coef, n):
-    def weights(sl, lp_C, ent_C):
+    def weights(sl, lp_C, ent_C, lse_C):
         adv, old = adv_T[sl].to(lp_C.dtype), old_T[sl].to(lp_C.dtype)
         old = torch.where(torch.isnan(old), lp_C, old)  # no rollout log-prob: on-policy
         ratio = torch.exp(lp_C - old)
@@ -113,7 +120,7 @@ def _rl_weights(adv_T, old_T, clip_low, clip_high, entropy_coef, n):
         if ent_C is not None and entropy_coef:
             loss_C = loss_C - entropy_coef * ent_C / n
             w_ent = torch.full_like(lp_C, -entropy_coef / n)
-        return loss_C, w_lp, w_ent
+        return loss_C, w_lp, w_ent, None
     return weights
 
 

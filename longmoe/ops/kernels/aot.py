@@ -41,12 +41,14 @@ def _kernel_specs():
                        "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
                       lambda c, e=ent: {"BLOCK_V": c["BLOCK_V"], "WITH_ENTROPY": e}, "num_warps"))
     for dt in ("bf16", "fp16", "fp32"):
-        specs.append(("linear_ce_rows", f"ce_row_grad[{dt}]+entropy", ce_rows.ce_row_grad_kernel,
+        specs.append(("linear_ce_rows", f"ce_row_grad[{dt}]+entropy+lse", ce_rows.ce_row_grad_kernel,
                       {"z_ptr": "*fp32", "stride_z": "i32", "dz_ptr": f"*{dt}", "stride_dz": "i32",
                        "labels_ptr": "*i64", "lse_ptr": "*fp32", "ez_ptr": "*fp32",
-                       "w_lp_ptr": "*fp32", "w_ent_ptr": "*fp32", "V": "i32", "ignore_index": "i32",
-                       "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
-                      lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True}, "num_warps_grad"))
+                       "w_lp_ptr": "*fp32", "w_ent_ptr": "*fp32", "w_lse_ptr": "*fp32", "V": "i32",
+                       "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr",
+                       "WITH_LSE": "constexpr"},
+                      lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True, "WITH_LSE": True},
+                      "num_warps_grad"))
     return specs
 
 

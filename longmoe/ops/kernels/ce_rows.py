@@ -7,7 +7,8 @@ Legend: C rows (tokens of the chunk), V vocab. z_CV is fp32 (the GEMM writes fp3
   stats:  one program per row, one pass over V with an online max / sum-exp / sum(p*z):
             lse = m + log(s), entropy = lse - E_p[z], target = z[label]
   grad:   programs over (row, vocab block):
-            dz = w_lp * (onehot(label) - p) - w_ent * p * (z - E_p[z]),   p = exp(z - lse)
+            dz = w_lp * (onehot(label) - p) - w_ent * p * (z - E_p[z]) + w_lse * p,
+            p = exp(z - lse)  (w_lse: a loss term in the log-sum-exp, e.g. z-loss)
           written in the dtype of the following GEMMs (bf16/fp16/fp32).
 """
 
@@ -50,8 +51,8 @@ def ce_row_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, tgt_ptr, ent_ptr, 
 
 @triton.jit
 def ce_row_grad_kernel(z_ptr, stride_z, dz_ptr, stride_dz, labels_ptr, lse_ptr, ez_ptr,
-                       w_lp_ptr, w_ent_ptr, V, ignore_index,
-                       BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+                       w_lp_ptr, w_ent_ptr, w_lse_ptr, V, ignore_index,
+                       BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_LSE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < V
@@ -67,6 +68,9 @@ def ce_row_grad_kernel(z_ptr, stride_z, dz_ptr, stride_dz, labels_ptr, lse_ptr, 
         w_ent = tl.where(label != ignore_index, w_ent, 0.0)
         ez = tl.load(ez_ptr + row)
         dz -= w_ent * p * (z - ez)
+    if WITH_LSE:  # a term in log-sum-exp (z-loss): d lse / dz = p
+        w_lse = tl.load(w_lse_ptr + row)
+        dz += tl.where(label != ignore_index, w_lse, 0.0) * p
     tl.store(dz_ptr + row.to(tl.int64) * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,14 +83,16 @@ def launch_stats(z_CV, labels_C, lse_C, tgt_C, ent_C, ignore_index: int, cfg: di
         num_warps=cfg["num_warps"], **_extra(cfg))
 
 
-def launch_grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int, cfg: dict):
+def launch_grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int, cfg: dict,
+                w_lse_C=None):
     C, V = z_CV.shape
-    with_ent = w_ent_C is not None
+    with_ent, with_lse = w_ent_C is not None, w_lse_C is not None
     block = cfg["BLOCK_V_GRAD"]
     ce_row_grad_kernel[(C, triton.cdiv(V, block))](
         z_CV, z_CV.stride(0), dz_CV, dz_CV.stride(0), labels_C, lse_C,
-        ez_C if with_ent else lse_C, w_lp_C, w_ent_C if with_ent else w_lp_C, V, ignore_index,
-        BLOCK_V=block, WITH_ENTROPY=with_ent, num_warps=cfg["num_warps_grad"], **_extra(cfg))
+        ez_C if with_ent else lse_C, w_lp_C, w_ent_C if with_ent else w_lp_C,
+        w_lse_C if with_lse else w_lp_C, V, ignore_index, BLOCK_V=block, WITH_ENTROPY=with_ent,
+        WITH_LSE=with_lse, num_warps=cfg["num_warps_grad"], **_extra(cfg))
 
 
 def _extra(cfg: dict) -> dict:
