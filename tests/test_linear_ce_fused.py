@@ -140,3 +140,13 @@ def test_z_loss_matches_reference(reduction):
         torch.testing.assert_close(x, r)
     with pytest.raises(ValueError, match="z_loss"):
         linear_cross_entropy(h, w, y, reduction="none", z_loss=1e-2)
+
+
+@pytest.mark.parametrize("nproc,V,chunk", [(2, 123, 8), (4, 101, 5)])
+def test_vocab_parallel_matches_single_rank(nproc, V, chunk):
+    # V split over gloo ranks (unevenly for 4 ranks and V=101): log-probs, entropy, dH on every
+    # rank and the concatenated dW equal the single-rank reference, fp64.
+    from longmoe.paired.dist_cases import vocab_parallel_case
+    seed = fresh_seed()
+    res = vocab_parallel_case(nproc, seed, V=V, chunk=chunk)
+    assert res.ok, (seed, res.failures())

@@ -171,3 +171,56 @@ def step_case(nproc=2, seed=0, device="cpu", **cand_kw) -> PairedResult:
         res.add(f"grad:{name}", cand_g, g_ref)
     res.info["loss"] = ref["loss"]
     return res
+
+
+# ---- vocab-parallel linear CE -----------------------------------------------------------------
+
+
+def _vocab_split(V: int, world: int) -> list[tuple[int, int]]:
+    base, extra = divmod(V, world)
+    out, s = [], 0
+    for r in range(world):
+        n = base + (1 if r < extra else 0)
+        out.append((s, n))
+        s += n
+    return out
+
+
+def _vp_inputs(seed, T, H, V):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g, dtype=torch.float64) * 0.5
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
+    y = torch.randint(0, V, (T,), generator=g)
+    y[::5] = -100
+    c = torch.randn(2, T, generator=g, dtype=torch.float64)
+    return h, w, y, c
+
+
+def _vp_rank(rank, world, backend, seed, T, H, V, chunk):
+    from longmoe.ops.linear_ce_vocab_parallel import vocab_parallel_logprobs
+    h, w, y, c = _vp_inputs(seed, T, H, V)
+    start, n = _vocab_split(V, world)[rank]
+    h = h.clone().requires_grad_()
+    w_r = w[start:start + n].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(h, w_r, y, dist.group.WORLD, start, chunk_tokens=chunk)
+    ((lp * c[0]).sum() + (ent * c[1]).sum()).backward()
+    return {"lp": lp.detach(), "ent": ent.detach(), "dh": h.grad, "dw": w_r.grad}
+
+
+def vocab_parallel_case(nproc=2, seed=0, T=47, H=31, V=123, chunk=8) -> PairedResult:
+    """Vocab split over `nproc` gloo ranks (uneven when nproc does not divide V) against the
+    single-rank naive path, fp64."""
+    from longmoe.ops.linear_ce import linear_logprobs
+    ranks = run_ranks(_vp_rank, nproc, seed, T, H, V, chunk)
+    h, w, y, c = _vp_inputs(seed, T, H, V)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    lp, ent = linear_logprobs(h, w, y, with_entropy=True, impl="naive")
+    dh, dw = torch.autograd.grad((lp * c[0]).sum() + (ent * c[1]).sum(), [h, w])
+    res = PairedResult("linear_ce_vocab_parallel", f"tp{nproc}", "naive", TOLERANCE[torch.float64] * 1e3,
+                       info={"T": T, "H": H, "V": V, "seed": seed})
+    for r in ranks:
+        res.add(f"logprobs@{len(res.errors)}", r["lp"], lp)
+        res.add(f"entropy@{len(res.errors)}", r["ent"], ent)
+        res.add(f"dH@{len(res.errors)}", r["dh"], dh)
+    res.add("dW", torch.cat([r["dw"] for r in ranks]), dw)
+    return res
