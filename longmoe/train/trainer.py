@@ -58,6 +58,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
     model = build_model(run, layout, device)
     o = run.optim
+    # foreach=False: expert DTensors live on another mesh than the dense ones, and a foreach
+    # kernel over both is not verified on GPUs yet (on CPU torch never takes the foreach path).
     optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                               weight_decay=o.weight_decay, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(
