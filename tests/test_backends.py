@@ -146,7 +146,7 @@ def test_lookup_errors_and_copies():
 def test_shipped_kernel_configs():
     nv, amd = BACKENDS_DIR / "cuda" / "kernels.json", BACKENDS_DIR / "rocm" / "kernels.json"
     assert kernel_config_from(nv, "grouped_gemm", "sm_90", "m<=256")["BLOCK_M"] == 64
-    assert kernel_config_from(nv, "grouped_gemm", "sm_90", "huge")["BLOCK_N"] == 256
+    assert kernel_config_from(nv, "grouped_gemm", "sm_90", "huge")["BLOCK_N"] == 128
     assert kernel_config_from(nv, "grouped_gemm", "sm_75", "m<=256")["BLOCK_M"] == 32
     assert kernel_config_from(nv, "linear_ce_rows", "sm_75")["BLOCK_V"] == 2048
     g = kernel_config_from(amd, "grouped_gemm", "gfx942")

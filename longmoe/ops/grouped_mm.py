@@ -5,7 +5,8 @@ Legend: M rows (tokens grouped by expert, contiguous), K in features, N out feat
 Implementations (registry "grouped_mm"):
   loop   one matmul per non-empty group; runs everywhere; the reference.
   torch  torch._grouped_mm (one kernel for all groups) where the backend supports it.
-A portable Triton grouped GEMM registers here later (issue C).
+  triton a portable Triton grouped GEMM (ops/kernels/grouped_gemm.py): the path where
+         _grouped_mm is unavailable (e.g. ROCm builds without it); tiles per vendor from backends.
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ def _torch_grouped(x_MK, w_GKN, sizes, offs=None):
     if offs is None:
         offs = torch.tensor(sizes, device=x_MK.device).cumsum(0).to(torch.int32)
     return torch._grouped_mm(x_MK, w_GKN, offs=offs)
+
+
+def _triton_check(x_MK, w_GKN, sizes):
+    from longmoe.ops.kernels import triton_ready
+    return triton_ready(x_MK.device)
+
+
+@GROUPED_MM.register("triton", priority=5, check=_triton_check)
+def _triton_grouped(x_MK, w_GKN, sizes, offs=None):
+    from longmoe.backends import active_backend
+    from longmoe.ops.kernels.grouped_gemm import GroupedMM
+    # Few rows per expert (fine-grained MoE, short chunks) wants smaller M tiles.
+    bucket = "m<=256" if sum(sizes) <= 256 * max(1, len(sizes)) else None
+    return GroupedMM.apply(x_MK, w_GKN, list(sizes), active_backend().kernel_config("grouped_gemm", bucket))
 
 
 @GROUPED_MM.register("loop", priority=0, reference=True)

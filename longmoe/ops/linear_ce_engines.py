@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
+
+from longmoe.ops.kernels import triton_ready
 
 log = logging.getLogger("longmoe.ops")
 
@@ -86,19 +87,9 @@ class TorchRows:
         return dz_CV
 
 
-def _triton_ready(device: torch.device) -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "Triton kernels need a GPU (or TRITON_INTERPRET=1 on CPU)"
-    return None
-
-
 class TritonRows:
     name = "triton"
-    ready = staticmethod(_triton_ready)
+    ready = staticmethod(triton_ready)
 
     @staticmethod
     def _cfg(device: torch.device) -> dict:

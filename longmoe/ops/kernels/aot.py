@@ -49,6 +49,22 @@ def _kernel_specs():
                        "WITH_LSE": "constexpr"},
                       lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True, "WITH_LSE": True},
                       "num_warps_grad"))
+    from longmoe.ops.kernels import grouped_gemm as gg
+    for dt in ("bf16", "fp16"):
+        specs.append(("grouped_gemm", f"grouped_mm[{dt}]", gg.grouped_mm_kernel,
+                      {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                       "tile_group_ptr": "*i32", "tile_row_ptr": "*i32", "group_end_ptr": "*i32",
+                       "K": "i32", "N": "i32", "stride_xm": "i32", "stride_wg": "i32",
+                       "stride_wk": "i32", "stride_wn": "i32", "stride_om": "i32",
+                       "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                      lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
+        specs.append(("grouped_gemm", f"grouped_mm_dw[{dt}]", gg.grouped_mm_dw_kernel,
+                      {"x_ptr": f"*{dt}", "dy_ptr": f"*{dt}", "dw_ptr": f"*{dt}",
+                       "group_start_ptr": "*i32", "group_end_ptr": "*i32", "K": "i32", "N": "i32",
+                       "stride_xm": "i32", "stride_dym": "i32", "stride_dwg": "i32",
+                       "stride_dwk": "i32",
+                       "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                      lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
     return specs
 
 
@@ -80,6 +96,8 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None)
         for where, cfg in _configs_for(table, key, target):
             rep = CompileReport(key, name, target, {"where": where, **cfg}, ok=False)
             opts = {"num_warps": cfg[warps_key], **{k: cfg[k] for k in t.launch_keys if k in cfg}}
+            if "num_stages" in cfg:
+                opts["num_stages"] = cfg["num_stages"]
             try:
                 src = ASTSource(fn=fn, signature=sig, constexprs=constexprs(cfg))
                 rep.regs, rep.spills, rep.shared = t.usage(triton.compile(src, target=gpu, options=opts))
