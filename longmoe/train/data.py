@@ -58,22 +58,22 @@ def _pack(samples: list[dict], seq_len: int) -> Batch:
     adv = torch.zeros(B, seq_len)
     old = torch.full((B, seq_len), float("nan"))
     for b, s in enumerate(samples):
-        p, r = s["prompt"], s["response"]
-        toks = (p + r)[: seq_len + 1]
-        n = len(toks)
-        ids[b, : min(n, seq_len)] = torch.tensor(toks[:seq_len])
-        # Position t predicts token t+1; response token j sits at len(p)+j.
-        for j in range(len(r)):
-            t = len(p) + j - 1
-            if t < 0 or t >= seq_len or t + 1 >= n:
-                continue
-            if s.get("loss_mask") is not None and not s["loss_mask"][j]:
-                continue
-            labels[b, t] = r[j]
-            a = s["advantage"]
-            adv[b, t] = a[j] if isinstance(a, list) else a
-            if s.get("old_logprobs") is not None:
-                old[b, t] = s["old_logprobs"][j]
+        p = torch.as_tensor(s["prompt"], dtype=torch.long)
+        r = torch.as_tensor(s["response"], dtype=torch.long)
+        toks = torch.cat([p, r])[:seq_len]
+        ids[b, : toks.numel()] = toks
+        # Position t predicts token t+1; response token j sits at len(p)+j, so it is the label
+        # of position len(p)+j-1, which must lie inside the sequence.
+        P = p.numel()
+        j = torch.arange(max(0, 1 - P), min(r.numel(), seq_len + 1 - P))
+        if s.get("loss_mask") is not None:
+            j = j[torch.as_tensor(s["loss_mask"], dtype=torch.bool)[j]]
+        t = P + j - 1
+        labels[b, t] = r[j]
+        a = s["advantage"]
+        adv[b, t] = torch.as_tensor(a, dtype=torch.float32)[j] if isinstance(a, list) else float(a)
+        if s.get("old_logprobs") is not None:
+            old[b, t] = torch.as_tensor(s["old_logprobs"], dtype=torch.float32)[j]
     return Batch(ids, labels, adv, old)
 
 
