@@ -106,13 +106,20 @@ def fused_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction, impl, chu
 POLICY_LOSS = Registry("policy_loss")
 
 
-def _rl_weights(adv_T, old_T, clip_low, clip_high, entropy_coef, n):
+def clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float):
+    """(ratio, s1, s2) of the GRPO/PPO objective -min(s1, s2): r = exp(logp - logp_old) with
+    NaN rollout log-probs meaning on-policy (logp_old = logp, r = 1) and r = 1 off the mask,
+    s1 = r * A, s2 = clip(r, 1 - clip_low, 1 + clip_high) * A. The one definition the fused
+    kernel weights, the reference and the trainer's unfused loss and logging share."""
+    old = torch.where(torch.isnan(old_logprobs), logprobs.detach(), old_logprobs.to(logprobs.dtype))
+    ratio = torch.exp(torch.where(mask, logprobs - old, 0.0))
+    return ratio, ratio * advantages, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+
+
+def _rl_weights(adv_T, old_T, valid_T, clip_low, clip_high, entropy_coef, n):
     def weights(sl, lp_C, ent_C, lse_C):
-        adv, old = adv_T[sl].to(lp_C.dtype), old_T[sl].to(lp_C.dtype)
-        old = torch.where(torch.isnan(old), lp_C, old)  # no rollout log-prob: on-policy
-        ratio = torch.exp(lp_C - old)
-        s1 = ratio * adv
-        s2 = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
+        adv = adv_T[sl].to(lp_C.dtype)
+        ratio, s1, s2 = clipped_surrogate(lp_C, old_T[sl], adv, valid_T[sl], clip_low, clip_high)
         # d(-min(s1, s2))/d logp: -A*r where the unclipped branch is the minimum, else 0.
         w_lp = torch.where(s1 <= s2, -adv * ratio, 0.0) / n
         loss_C = -torch.minimum(s1, s2) / n
@@ -142,8 +149,9 @@ def _fused_torch_policy(h_TH, w_VH, labels_T, adv_T, old_T, cl, ch, coef, n, ign
 
 def _run_fused(engine, h_TH, w_VH, labels_T, adv_T, old_T, cl, ch, coef, n, ignore_index, chunk):
     chunk = chunk or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
+    weights = _rl_weights(adv_T, old_T, labels_T != ignore_index, cl, ch, coef, n)
     loss, lp, ent = _FusedGrad.apply(h_TH, w_VH, labels_T, ignore_index, chunk, True, engine,
-                                     _rl_weights(adv_T, old_T, cl, ch, coef, n))
+                                     weights)
     return loss, lp, ent
 
 
@@ -152,10 +160,7 @@ def _reference_policy(h_TH, w_VH, labels_T, adv_T, old_T, cl, ch, coef, n, ignor
     lp, ent = linear_logprobs(h_TH, w_VH, labels_T, ignore_index=ignore_index, with_entropy=True,
                               impl="naive")
     mask = labels_T != ignore_index
-    old = torch.where(torch.isnan(old_T), lp.detach(), old_T.to(lp.dtype))
-    ratio = torch.exp(torch.where(mask, lp - old, 0.0))
-    s1 = ratio * adv_T
-    s2 = torch.clamp(ratio, 1 - cl, 1 + ch) * adv_T
+    _, s1, s2 = clipped_surrogate(lp, old_T, adv_T, mask, cl, ch)
     loss = -(torch.minimum(s1, s2) * mask).sum() / n - coef * (ent * mask).sum() / n
     return loss, lp.detach(), ent.detach()
 

@@ -1,12 +1,13 @@
 """Policy-update losses on per-token log-probs. Every loss is a *sum over this rank's tokens
-divided by the global token count*, so summing gradients across ranks (FSDP divide factor 1)
-gives exactly the gradient of the global-batch token mean.
+divided by the global token count*, so summing gradients across ranks (see
+train/setup.finish_grads) gives exactly the gradient of the global-batch token mean.
 """
 
 from __future__ import annotations
 
 import torch
 
+from longmoe.ops.linear_ce_fused import clipped_surrogate
 from longmoe.train.config import LossConfig
 
 
@@ -21,10 +22,8 @@ def policy_loss(cfg: LossConfig, logprobs, entropy, labels, advantages, old_logp
     if cfg.type == "sft":
         loss = -(logprobs * mask).sum() / n
     else:
-        old = torch.where(torch.isnan(old_logprobs), logprobs.detach(), old_logprobs)
-        ratio = torch.exp(torch.where(mask, logprobs - old, 0.0))
-        s1 = ratio * advantages
-        s2 = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
+        ratio, s1, s2 = clipped_surrogate(logprobs, old_logprobs, advantages, mask,
+                                          cfg.clip_low, cfg.clip_high)
         loss = -(torch.minimum(s1, s2) * mask).sum() / n
         with torch.no_grad():
             stats["clip_frac"] = ((s2 < s1) & mask).sum()
@@ -42,9 +41,7 @@ def policy_loss(cfg: LossConfig, logprobs, entropy, labels, advantages, old_logp
 def policy_stats(cfg: LossConfig, logprobs, entropy, batch) -> dict:
     """The logging sums policy_loss reports, from (detached) fused-path log-probs."""
     mask = batch.labels != -100
-    old = torch.where(torch.isnan(batch.old_logprobs), logprobs, batch.old_logprobs)
-    ratio = torch.exp(torch.where(mask, logprobs - old, 0.0))
-    s1 = ratio * batch.advantages
-    s2 = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * batch.advantages
+    ratio, s1, s2 = clipped_surrogate(logprobs, batch.old_logprobs, batch.advantages, mask,
+                                      cfg.clip_low, cfg.clip_high)
     return {"clip_frac": ((s2 < s1) & mask).sum(), "ratio_sum": (ratio * mask).sum(),
             "entropy": (entropy * mask).sum(), "logprob_sum": (logprobs * mask).sum()}
