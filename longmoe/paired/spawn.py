@@ -3,6 +3,8 @@ rank returns. Used by `longmoe paired` and the tests; no collective is ever mock
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, world: int, fn, args: tuple, out_dir: str, device: str):
     from longmoe.backends import get_backend
+    from longmoe.train.trainer import leave_together
     backend = get_backend(device)
     backend.apply_collective_env()
     backend.set_device(rank)
@@ -22,9 +25,13 @@ def _entry(rank: int, world: int, fn, args: tuple, out_dir: str, device: str):
     try:
         result = fn(rank, world, backend, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
+        leave_together()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter finalisation in the spawned rank (see longmoe.train.trainer.rank_main).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, device: str = "cpu") -> list:

@@ -14,7 +14,8 @@ from longmoe.parallel.mesh import validate_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
 from longmoe.train.data import read_jsonl
-from longmoe.train.trainer import RunOptions, rank_main, resolve_backend, init_distributed, train
+from longmoe.train.trainer import (RunOptions, init_distributed, leave_together, rank_main,
+                                   resolve_backend, train)
 
 
 def validate(run: RunConfig, nproc: int):
@@ -92,6 +93,7 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
         import torch.distributed as dist
         try:
             train(run, opts, backend, backend.device(local))
+            leave_together()
         finally:
             dist.destroy_process_group()
         return 0

@@ -4,6 +4,8 @@ batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW,
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -141,6 +143,29 @@ def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, ren
     init_distributed(backend, local_rank, world, local_rank, f"file://{rendezvous}")
     try:
         train(run, opts, backend, backend.device(local_rank))
-        dist.barrier()  # leave together: a rank tearing down gloo under a busy peer aborts it
+        leave_together()
     finally:
         dist.destroy_process_group()
+    if world > 1:
+        # A spawned rank is its own process: skip interpreter finalisation, where gloo's worker
+        # threads, still holding tensors, can abort the process (SIGABRT, "terminate called
+        # without an active exception") after all work has finished and been written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def leave_together():
+    """Return only when every rank has finished its last collective. A device barrier alone is
+    not enough: a rank can leave it and close its sockets while a peer is still reading the
+    barrier's last message, and the peer's transport thread then aborts. The store barrier
+    after it (outside the collective transport) guarantees no rank is inside a collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    dist.barrier()
+    from torch.distributed.distributed_c10d import _get_default_store
+    store, world = _get_default_store(), dist.get_world_size()
+    store.add("longmoe/leave", 1)
+    store.wait(["longmoe/leave"])
+    while int(store.get("longmoe/leave")) < world:
+        time.sleep(0.01)
