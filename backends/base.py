@@ -118,6 +118,15 @@ class Backend(abc.ABC):
     def a2a_transport(self) -> str:
         return self.collective.a2a_transport
 
+    def streams(self):
+        """Compute/communication stream pair for overlapped schedules (backends/streams.py)."""
+        from longmoe.backends.streams import HostStreams
+        return HostStreams()
+
+    def a2a(self, name: str = "auto", device: torch.device | None = None):
+        """The expert all-to-all transport `name` (or the best available for "auto")."""
+        return self.collective.a2a(name, device or self.device(0))
+
     def collective_env(self) -> dict[str, str]:
         """Environment defaults for init_process_group (before user overrides)."""
         return self.collective.env()

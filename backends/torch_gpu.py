@@ -28,6 +28,10 @@ class TorchGpuBackend(Backend):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def streams(self):
+        from longmoe.backends.streams import DeviceStreams
+        return DeviceStreams(self.comm_stream_priority)
+
     def timer(self) -> Timer:
         return EventTimer()
 

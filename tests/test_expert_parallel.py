@@ -24,6 +24,17 @@ def test_ep_matches_one_process(nproc, T, chunks, top_k, skew):
         assert sum(1 for n in load if n == 0) >= 8 - 2 * top_k  # experts with zero tokens happened
 
 
+@pytest.mark.needs_multi_gpu
+@pytest.mark.parametrize("transport", ["process_group", "symmetric_memory"])
+def test_ep_pipeline_on_two_gpus(transport):
+    # The same pipeline with a real communication stream and each transport.
+    seed = random.randrange(2**31)
+    res = ep_case(2, seed, T=301, chunks=4, top_k=2, device="cuda", transport=transport)
+    assert res.ok, (seed, res.failures())
+    res = ep_case(2, seed, T=64, chunks=3, top_k=1, skew=True, device="cuda", transport=transport)
+    assert res.ok, (seed, res.failures())
+
+
 def test_chunk_bounds():
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert chunk_bounds(5, 5) == [(i, i + 1) for i in range(5)]

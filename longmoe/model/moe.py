@@ -55,7 +55,12 @@ class GroupedExperts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(L, cfg.moe_ffn_size, cfg.hidden_size))
         self.impl = "auto"
 
-    def forward(self, x_MH, rows_per_expert: list[int]):
+    def forward(self, x_MH, rows_per_expert, w_A=None):
+        """x_MH grouped by expert with `rows_per_expert` rows each; or, for expert parallelism,
+        the layer's tokens with a ChunkPipeline that dispatches them (and combine weights w_A).
+        Either way the call goes through this module, so FSDP's hooks gather the weights."""
+        if not isinstance(rows_per_expert, list):
+            return rows_per_expert.run(x_MH, w_A, self.w_in, self.w_out, self.impl)
         h_MF2 = grouped_mm(x_MH, self.w_in, rows_per_expert, impl=self.impl)
         gate, up = h_MF2.chunk(2, dim=-1)
         return grouped_mm(F.silu(gate) * up, self.w_out, rows_per_expert, impl=self.impl)

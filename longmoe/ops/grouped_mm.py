@@ -73,3 +73,47 @@ def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, sizes: list[int],
         raise ValueError(f"grouped_mm: sizes (sum {sum(sizes)}, {len(sizes)} groups) do not match "
                          f"x{tuple(x_MK.shape)} and w{tuple(w_GKN.shape)}")
     return GROUPED_MM.select(impl, x_MK, w_GKN, sizes).fn(x_MK, w_GKN, sizes, offs)
+
+
+# ---- weight gradient without autograd (for schedules that order dgrad and wgrad themselves) ----
+
+def _offs(sizes, device):
+    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+
+
+def _wgrad_torch(x_MK, dy_MN, sizes):
+    out = torch._grouped_mm(x_MK.t(), dy_MN, offs=_offs(sizes, x_MK.device))
+    # Groups without rows: make them exact zeros whatever the kernel leaves there.
+    empty = [g for g, n in enumerate(sizes) if n == 0]
+    if empty:
+        out[empty] = 0
+    return out
+
+
+def _wgrad_triton(x_MK, dy_MN, sizes):
+    from longmoe.backends import active_backend
+    from longmoe.ops.kernels.grouped_gemm import grouped_dw
+    return grouped_dw(x_MK, dy_MN, list(sizes), active_backend().kernel_config("grouped_gemm"))
+
+
+def _wgrad_loop(x_MK, dy_MN, sizes):
+    out = x_MK.new_zeros((len(sizes), x_MK.shape[1], dy_MN.shape[1]))
+    s = 0
+    for g, n in enumerate(sizes):
+        if n:
+            out[g] = x_MK[s:s + n].t() @ dy_MN[s:s + n]
+        s += n
+    return out
+
+
+_WGRAD = {"torch": _wgrad_torch, "triton": _wgrad_triton, "loop": _wgrad_loop}
+
+
+def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, sizes: list[int],
+                     w_GKN: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """dW[g] = x_g^T @ dy_g: the weight gradient of grouped_mm(x, w, sizes), computed by the same
+    implementation the forward would pick for w (`impl`), in w's dtype."""
+    name = GROUPED_MM.select(impl, x_MK, w_GKN, sizes).name
+    if x_MK.shape[0] == 0:
+        return w_GKN.new_zeros(w_GKN.shape)
+    return _WGRAD[name](x_MK, dy_MN, sizes).to(w_GKN.dtype)

@@ -52,28 +52,39 @@ def _run_layer(moe: MoE, x, c):
     return {"y": y.detach(), "dx": x.grad, "aux": aux.detach(), "grads": grads}
 
 
-def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew):
+def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport):
     cfg = model_from_dict(cfg_dict)
     moe = MoE(cfg, ep_rank=rank, ep_size=world)
     init_params(moe, cfg, seed)
     if skew:
         _skew_router(moe, cfg, seed)
-    moe.dispatcher = ExpertDispatcher(cfg.num_experts, dist.group.WORLD, chunks)
+    dev = backend.device(rank)
+    moe.to(dev)
+    moe.dispatcher = ExpertDispatcher(cfg.num_experts, dist.group.WORLD, chunks,
+                                      transport=backend.a2a(transport, dev),
+                                      streams=backend.streams())
     moe.batch_group = dist.group.WORLD
     x, c = _layer_inputs(cfg, seed, rank, T, skew)
-    return _run_layer(moe, x, c)
+    out = _run_layer(moe, x.to(dev), c.to(dev))
+    return {k: ({n: g.cpu() for n, g in v.items()} if isinstance(v, dict) else v.cpu())
+            for k, v in out.items()}
 
 
-def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8) -> PairedResult:
+def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
+            device="cpu", transport="auto") -> PairedResult:
+    """`device` names the backend the ranks run on ("cpu", "cuda", "rocm"); the reference is
+    always one CPU process in fp32."""
     cfg = get_preset("tiny").replace(top_k=top_k, num_experts=num_experts, router_aux_loss_coef=1e-2)
-    ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew)
+    ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew, transport,
+                      device=device)
     ref_moe = MoE(cfg)
     init_params(ref_moe, cfg, seed)
     if skew:
         _skew_router(ref_moe, cfg, seed)
     inputs = [_layer_inputs(cfg, seed, r, T, skew) for r in range(nproc)]
     ref = _run_layer(ref_moe, torch.cat([x for x, _ in inputs], 1), torch.cat([c for _, c in inputs], 1))
-    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}", "one-process", TOLERANCE[torch.float32],
+    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}-{device}-{transport}", "one-process",
+                       TOLERANCE[torch.float32],
                        info={"T_per_rank": T, "top_k": top_k, "skew": skew, "experts": num_experts})
     res.add("output", torch.cat([r["y"] for r in ranks], 1), ref["y"])
     res.add("dX", torch.cat([r["dx"] for r in ranks], 1), ref["dx"])

@@ -1,13 +1,13 @@
 """Chunked expert parallelism: dispatch tokens to the ranks owning their experts, run the grouped
-expert GEMMs, combine the results back; the layer's tokens are split into `chunks` pieces.
+expert GEMMs, combine the results back, with the layer's tokens split into `chunks` pieces that
+run as a software pipeline (longmoe/parallel/moe_pipeline.py).
 
-Legend: T tokens, t tokens in a chunk, K top-k, A = t*K assignments, H hidden, E experts,
-L local experts (E / ep), S ranks in the EP group, C chunks.
+Legend: T tokens, t tokens in a chunk, K top-k, A = T*K assignments, H hidden, E experts,
+L local experts (E / S), S ranks in the EP group, C chunks.
 
 Expert ownership is contiguous: EP rank r owns experts [r*L, (r+1)*L). Routing for all chunks is
-planned at once so the layer pays one host synchronisation (the split sizes all_to_all_single
-needs on the host), not one per chunk. The chunks run one after another here; issue C overlaps one
-chunk's all-to-all with another's GEMMs on a communication stream.
+planned at once, so the layer pays one host synchronisation (the split sizes the all-to-all needs
+on the host), not one per chunk.
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ def all_to_all(x, out_splits: list[int], in_splits: list[int], group) -> torch.T
 @dataclass
 class RoutePlan:
     bounds: list[tuple[int, int]]    # token range of each chunk
-    send: list[list[int]]            # per chunk: rows sent to each EP rank
-    recv: list[list[int]]            # per chunk: rows received from each EP rank
+    matrix: list[list[list[int]]]    # per chunk: [src][dst] rows sent, the same on every rank
+    send: list[list[int]]            # per chunk: rows this rank sends to each EP rank
+    recv: list[list[int]]            # per chunk: rows this rank receives from each EP rank
     expert_rows: list[list[int]]     # per chunk: rows for each local expert (all sources)
     recv_SL: list[torch.Tensor]      # per chunk: [S, L] rows per (source, local expert), on device
+    order_A: torch.Tensor            # assignments sorted by (chunk, expert)
+    rank: int = 0
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -64,32 +67,47 @@ def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None) -> RoutePlan:
-    T, _ = idx_TK.shape
+    T, K = idx_TK.shape
     S = dist.get_world_size(group) if group is not None else 1
+    me = dist.get_rank(group) if group is not None else 0
     L = num_experts // S
     bounds = chunk_bounds(T, chunks)
     C = len(bounds)
     chunk_T = torch.repeat_interleave(
         torch.arange(C, device=idx_TK.device),
-        torch.tensor([e - s for s, e in bounds], device=idx_TK.device))
-    key = chunk_T[:, None] * num_experts + idx_TK
-    counts_CE = torch.bincount(key.reshape(-1), minlength=C * num_experts).view(C, num_experts)
+        torch.tensor([e - s for s, e in bounds], device=idx_TK.device), output_size=T)
+    key = (chunk_T[:, None] * num_experts + idx_TK).reshape(-1)
+    order_A = torch.argsort(key, stable=True)
+    counts_CE = torch.bincount(key, minlength=C * num_experts).view(C, num_experts)
     if S > 1:
-        send_SCL = counts_CE.view(C, S, L).transpose(0, 1).contiguous()
-        recv_SCL = torch.empty_like(send_SCL)
-        dist.all_to_all_single(recv_SCL, send_SCL, group=group)
+        counts_SCE = counts_CE.new_empty((S * C, num_experts))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(counts_SCE, counts_CE, group=group)
+        counts_SCE = counts_SCE.view(S, C, num_experts)
     else:
-        send_SCL = recv_SCL = counts_CE.view(C, 1, L).transpose(0, 1)
+        counts_SCE = counts_CE[None]
+    recv_SCL = counts_SCE[:, :, me * L:(me + 1) * L]
+    matrix_CSD = counts_SCE.view(S, C, S, L).sum(-1).transpose(0, 1)
     # The one host synchronisation of the layer.
-    both = torch.stack([send_SCL, recv_SCL]).tolist()
-    send_h, recv_h = both
-    plan = RoutePlan(bounds, [], [], [], [])
+    host = torch.cat([matrix_CSD.reshape(-1), recv_SCL.sum(0).reshape(-1)]).tolist()
+    mat = [[host[(c * S + s) * S:(c * S + s + 1) * S] for s in range(S)] for c in range(C)]
+    rows = host[C * S * S:]
+    plan = RoutePlan(bounds, mat, [], [], [], [], order_A, me)
     for c in range(C):
-        plan.send.append([sum(send_h[s][c]) for s in range(S)])
-        plan.recv.append([sum(recv_h[s][c]) for s in range(S)])
-        plan.expert_rows.append([sum(recv_h[s][c][l] for s in range(S)) for l in range(L)])
+        plan.send.append(list(mat[c][me]))
+        plan.recv.append([mat[c][s][me] for s in range(S)])
+        plan.expert_rows.append(rows[c * L:(c + 1) * L])
         plan.recv_SL.append(recv_SCL[:, c])
     return plan
+
+
+def check_expert_index(idx_TK: torch.Tensor, num_experts: int):
+    """A router bug that yields an expert id outside [0, E) is caught here, naming the value."""
+    if idx_TK.numel():
+        lo, hi = int(idx_TK.min()), int(idx_TK.max())
+        if lo < 0 or hi >= num_experts:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"routing produced expert index {bad}, outside [0, {num_experts})")
 
 
 def source_major_to_expert_major(recv_SL: torch.Tensor, total: int) -> torch.Tensor:
@@ -104,33 +122,41 @@ def source_major_to_expert_major(recv_SL: torch.Tensor, total: int) -> torch.Ten
 
 
 class ExpertDispatcher:
-    """Routes one MoE layer's tokens through its (possibly remote) experts, chunk by chunk."""
+    """Routes one MoE layer's tokens through its (possibly remote) experts.
 
-    def __init__(self, num_experts: int, group=None, chunks: int = 1):
+    With an EP group of more than one rank, the layer runs as a chunked pipeline on a transport
+    and a stream pair the backend provides (defaults: the process group's all-to-all, no streams,
+    which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
+
+    def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
+                 streams=None, check_routes: bool = True):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if transport is None:
+            from longmoe.backends.transports import ProcessGroupA2A
+            transport = ProcessGroupA2A()
+        if streams is None:
+            from longmoe.backends.streams import HostStreams
+            streams = HostStreams()
         self.num_experts, self.group, self.chunks, self.ep_size = num_experts, group, chunks, S
+        self.transport, self.streams, self.check_routes = transport, streams, check_routes
 
     def __call__(self, x_TH, idx_TK, w_TK, experts) -> torch.Tensor:
+        if self.check_routes:
+            check_expert_index(idx_TK, self.num_experts)
+        T, K = idx_TK.shape
+        if self.ep_size == 1:
+            order_A = torch.argsort(idx_TK.reshape(-1), stable=True)
+            rows = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts).tolist()
+            tok_A = order_A // K
+            y_AH = experts(x_TH[tok_A], rows)
+            w_A = w_TK.reshape(-1)[order_A].to(y_AH.dtype)
+            return torch.zeros_like(x_TH).index_add(0, tok_A, y_AH * w_A[:, None])
+        from longmoe.parallel.moe_pipeline import ChunkPipeline
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group)
-        outs = [self._chunk(x_TH[s:e], idx_TK[s:e], w_TK[s:e], plan, c, experts)
-                for c, (s, e) in enumerate(plan.bounds)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _chunk(self, x_tH, idx_tK, w_tK, plan: RoutePlan, c: int, experts) -> torch.Tensor:
-        t, K = idx_tK.shape
-        order_A = torch.argsort(idx_tK.reshape(-1), stable=True)
-        tok_A = order_A // K
-        x_AH = x_tH[tok_A]
-        if self.ep_size > 1:
-            x_rH = all_to_all(x_AH, plan.recv[c], plan.send[c], self.group)
-            perm = source_major_to_expert_major(plan.recv_SL[c], x_rH.shape[0])
-            y_gH = experts(x_rH[perm], plan.expert_rows[c])
-            inv = torch.empty_like(perm)
-            inv[perm] = torch.arange(perm.numel(), device=perm.device)
-            y_AH = all_to_all(y_gH[inv], plan.send[c], plan.recv[c], self.group)
-        else:
-            y_AH = experts(x_AH, plan.expert_rows[c])
-        w_A = w_tK.reshape(-1)[order_A].to(y_AH.dtype)
-        return torch.zeros_like(x_tH).index_add(0, tok_A, y_AH * w_A[:, None])
+        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams)
+        w_A = w_TK.reshape(-1)[plan.order_A]
+        return experts(x_TH, pipe, w_A)

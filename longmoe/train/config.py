@@ -22,6 +22,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class ParallelConfig:
     ep: int = 1                     # expert-parallel group size (consecutive ranks)
     chunks: int = 1                 # chunked EP: token chunks per MoE layer
+    # Expert all-to-all transport: auto | process_group | symmetric_memory (backends/transports.py)
+    a2a_transport: str = "auto"
     fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
     # none | selective | full, or one of those per layer (a list as long as model.num_layers)
     recompute: str | tuple = "none"
@@ -40,6 +42,10 @@ class ParallelConfig:
             raise ConfigError("parallel.ep", f"must be >= 1, got {self.ep}")
         if self.chunks < 1:
             raise ConfigError("parallel.chunks", f"must be >= 1, got {self.chunks}")
+        from longmoe.backends.collective import TRANSPORT_NAMES
+        if self.a2a_transport not in ("auto",) + TRANSPORT_NAMES:
+            raise ConfigError("parallel.a2a_transport",
+                              f"must be auto, {', '.join(TRANSPORT_NAMES)}; got {self.a2a_transport!r}")
         policies = (self.recompute,) if isinstance(self.recompute, str) else tuple(self.recompute)
         for p in policies:
             if p not in ("none", "selective", "full"):

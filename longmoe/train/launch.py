@@ -47,6 +47,10 @@ def validate(run: RunConfig, nproc: int):
         backend = resolve_backend(run.train.device)
     except (ValueError, RuntimeError) as e:
         raise UserError(f"train.device: {e}") from None
+    try:
+        backend.a2a(run.parallel.a2a_transport, backend.device(0))
+    except ValueError as e:
+        raise UserError(f"parallel.a2a_transport: {e}") from None
     if backend.device_type != "cpu":
         count = backend.probe().get("device_count") or 0
         if nproc > count:

@@ -16,6 +16,7 @@ from longmoe.model.moe import GroupedExperts
 from longmoe.model.transformer import MoETransformer
 from longmoe.ops.recompute import apply_recompute
 from longmoe.parallel.context_parallel import ContextParallel
+from longmoe.backends import active_backend
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 from longmoe.parallel.fsdp import apply_fsdp
 from longmoe.parallel.mesh import Layout
@@ -37,9 +38,12 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         cp = ContextParallel(layout.cp_group, run.data.seq_len)
         for block in model.layers:
             block.attn.cp = cp
+    backend = active_backend()
+    transport, streams = backend.a2a(par.a2a_transport, device), backend.streams()
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
-        moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks)
+        moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks,
+                                          transport=transport, streams=streams)
         moe.batch_group = layout.batch_group
     model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),
                                                  run.impl.recompute)

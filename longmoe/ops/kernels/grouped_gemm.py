@@ -111,10 +111,23 @@ class GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dX = dY @ w^T: swap w's K and N strides
             dx = _launch_mm(dy_MN, w_GKN, w_GKN.stride(2), w_GKN.stride(1), K, sched, cfg)
         if ctx.needs_input_grad[1]:
-            dw = torch.empty_like(w_GKN)
-            grid = (G, triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
-            grouped_mm_dw_kernel[grid](x_MK, dy_MN, dw, sched[2], sched[3], K, N, x_MK.stride(0),
-                                       dy_MN.stride(0), dw.stride(0), dw.stride(1),
-                                       BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                                       BLOCK_K=cfg["BLOCK_K"], **_opts(cfg))
+            dw = _launch_dw(x_MK, dy_MN, torch.empty_like(w_GKN), sched, cfg)
         return dx, dw, None, None
+
+
+def _launch_dw(x_MK, dy_MN, dw_GKN, sched, cfg):
+    G, K, N = dw_GKN.shape
+    grid = (G, triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    grouped_mm_dw_kernel[grid](x_MK, dy_MN, dw_GKN, sched[2], sched[3], K, N, x_MK.stride(0),
+                               dy_MN.stride(0), dw_GKN.stride(0), dw_GKN.stride(1),
+                               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                               BLOCK_K=cfg["BLOCK_K"], **_opts(cfg))
+    return dw_GKN
+
+
+def grouped_dw(x_MK, dy_MN, sizes: list[int], cfg: dict, out_dtype=None):
+    """dW[g] = x_g^T @ dy_g for every group (zeros where a group has no rows), without autograd."""
+    x_MK, dy_MN = x_MK.contiguous(), dy_MN.contiguous()
+    sched = tile_schedule(sizes, cfg["BLOCK_M"], x_MK.device)
+    dw = x_MK.new_empty((len(sizes), x_MK.shape[1], dy_MN.shape[1]), dtype=out_dtype or x_MK.dtype)
+    return _launch_dw(x_MK, dy_MN, dw, sched, cfg)

@@ -1,0 +1,128 @@
+"""The pieces of the chunked EP pipeline that run without a process group: the weight-gradient
+grouped GEMM, the SwiGLU backward, the transports' choice and the symmetric-memory copy plan.
+(The pipeline itself runs on real gloo ranks in test_expert_parallel.py.)"""
+
+import random
+
+import pytest
+import torch
+
+from longmoe.backends.transports import push_plan
+from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
+from longmoe.parallel.expert_parallel import check_expert_index, plan_routes
+from longmoe.parallel.moe_pipeline import swiglu, swiglu_backward
+
+
+def _sizes(g, groups, rows):
+    cuts = sorted(random.Random(g).randrange(rows + 1) for _ in range(groups - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [rows])]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("groups,rows", [(5, 37), (3, 0), (4, 1), (1, 23)])
+def test_wgrad_matches_autograd(dtype, tol, groups, rows):
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    sizes = _sizes(seed, groups, rows)
+    x = torch.randn(rows, 13, generator=g, dtype=dtype)
+    w = torch.randn(groups, 13, 7, generator=g, dtype=dtype, requires_grad=True)
+    dy = torch.randn(rows, 7, generator=g, dtype=dtype)
+    grouped_mm(x, w, sizes, impl="loop").backward(dy) if rows else None
+    expect = w.grad if rows else torch.zeros_like(w)
+    got = grouped_mm_wgrad(x, dy, sizes, w.detach(), impl="loop")
+    assert got.dtype == w.dtype and got.shape == w.shape
+    torch.testing.assert_close(got, expect, rtol=tol, atol=tol, msg=f"seed {seed} sizes {sizes}")
+    for gi, n in enumerate(sizes):
+        if n == 0:
+            assert torch.count_nonzero(got[gi]) == 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_swiglu_backward_matches_autograd(dtype, tol):
+    h = (3 * torch.randn(29, 2 * 11)).to(dtype).requires_grad_()
+    ga = torch.randn(29, 11).to(dtype)
+    a_ref = swiglu(h)
+    a_ref.backward(ga)
+    gh, a = swiglu_backward(h.detach(), ga)
+    torch.testing.assert_close(a, a_ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(gh, h.grad, rtol=tol, atol=tol)
+
+
+def _simulate_push(matrix, rows_by_rank):
+    """Run push_plan's copies between in-memory 'buffers' and return each rank's output."""
+    S = len(matrix)
+    bufs = [torch.full((sum(matrix[s][d] for s in range(S)),), -1) for d in range(S)]
+    outs = [torch.full_like(b, -2) for b in bufs]
+    plans = [push_plan(matrix, me) for me in range(S)]
+    for me, (pushes, local, _) in enumerate(plans):
+        for peer, src, n, dst in pushes:
+            bufs[peer][dst:dst + n] = rows_by_rank[me][src:src + n]
+        if local:
+            src, n, dst = local
+            outs[me][dst:dst + n] = rows_by_rank[me][src:src + n]
+    for me, (_, _, pulls) in enumerate(plans):
+        for lo, hi in pulls:
+            outs[me][lo:hi] = bufs[me][lo:hi]
+    return outs
+
+
+@pytest.mark.parametrize("S", [2, 3, 4])
+def test_push_plan_is_an_all_to_all(S):
+    rng = random.Random()
+    matrix = [[rng.choice([0, 0, 1, 3, 5]) for _ in range(S)] for _ in range(S)]
+    # row value encodes (source, destination, index) so misplaced rows are visible
+    rows = [torch.tensor([1000 * s + 100 * d + i for d in range(S) for i in range(matrix[s][d])])
+            for s in range(S)]
+    outs = _simulate_push(matrix, rows)
+    for d in range(S):
+        expect = [1000 * s + 100 * d + i for s in range(S) for i in range(matrix[s][d])]
+        assert outs[d].tolist() == expect, (matrix, d)
+
+
+def test_transport_choice_and_reasons():
+    from longmoe.backends import get_backend
+    from longmoe.backends.cuda.collective import NcclCollective
+    from longmoe.backends.rocm.collective import RcclCollective
+    cpu = get_backend("cpu")
+    assert cpu.a2a("auto").name == "process_group"
+    with pytest.raises(ValueError, match="does not offer 'symmetric_memory'"):
+        cpu.a2a("symmetric_memory")
+    with pytest.raises(ValueError, match="unknown transport 'nvshmem'"):
+        cpu.a2a("nvshmem")
+    with pytest.raises(ValueError, match="CPU device"):
+        NcclCollective().a2a("symmetric_memory", torch.device("cpu"))
+    with pytest.raises(ValueError, match="not validated on ROCm"):
+        RcclCollective().a2a("symmetric_memory", torch.device("cuda", 0))
+    assert RcclCollective().a2a("auto", torch.device("cuda", 0)).name == "process_group"
+
+
+def test_route_plan_one_rank_counts():
+    idx = torch.tensor([[0, 3], [3, 1], [2, 0], [1, 1]])
+    plan = plan_routes(idx, 4, 2)
+    assert plan.bounds == [(0, 2), (2, 4)]
+    assert plan.expert_rows == [[1, 1, 0, 2], [1, 2, 1, 0]]
+    assert plan.matrix == [[[4]], [[4]]]
+    # assignments sorted by (chunk, expert)
+    flat = idx.reshape(-1)[plan.order_A].tolist()
+    assert flat == [0, 1, 3, 3, 0, 1, 1, 2]
+
+
+def test_bad_expert_index_is_named():
+    with pytest.raises(ValueError, match="expert index 9, outside"):
+        check_expert_index(torch.tensor([[0, 9]]), 8)
+    with pytest.raises(ValueError, match="expert index -1"):
+        check_expert_index(torch.tensor([[-1, 2]]), 8)
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_wgrad_on_gpu_matches_loop(impl):
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    sizes = [300, 0, 17, 512, 1]
+    x = torch.randn(sum(sizes), 256, generator=g).cuda()
+    dy = torch.randn(sum(sizes), 384, generator=g).cuda()
+    w = torch.empty(len(sizes), 256, 384, device="cuda", dtype=torch.bfloat16)
+    ref = grouped_mm_wgrad(x.double(), dy.double(), sizes, w.double(), impl="loop")
+    got = grouped_mm_wgrad(x.bfloat16(), dy.bfloat16(), sizes, w, impl=impl)
+    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=0.3, msg=f"seed {seed}")
