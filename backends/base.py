@@ -118,8 +118,9 @@ class Backend(abc.ABC):
     def a2a_transport(self) -> str:
         return self.collective.a2a_transport
 
-    def streams(self):
-        """Compute/communication stream pair for overlapped schedules (backends/streams.py)."""
+    def streams(self, priority: int | None = None):
+        """Compute/communication stream pair for overlapped schedules (backends/streams.py);
+        `priority` overrides the adapter's comm-stream priority (for benchmarks)."""
         from longmoe.backends.streams import HostStreams
         return HostStreams()
 

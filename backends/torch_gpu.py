@@ -28,9 +28,9 @@ class TorchGpuBackend(Backend):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def streams(self):
+    def streams(self, priority: int | None = None):
         from longmoe.backends.streams import DeviceStreams
-        return DeviceStreams(self.comm_stream_priority)
+        return DeviceStreams(self.comm_stream_priority if priority is None else priority)
 
     def timer(self) -> Timer:
         return EventTimer()

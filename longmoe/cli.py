@@ -81,6 +81,33 @@ def _cmd_bench(a) -> int:
     return 0
 
 
+def _cmd_bench_moe(a) -> int:
+    from longmoe.backends import active_backend, get_backend
+    from longmoe.bench.moe_layer import run_bench, write_report
+    device = a.device or active_backend().name
+    backend = get_backend(device)
+    if a.smoke:
+        tokens, chunks, iters = [64], [1, 2], 1
+    else:
+        tokens, chunks, iters = _ints(a.tokens, "--tokens"), _ints(a.chunks, "--chunks"), a.iters
+    transports = a.transports.split(",") if a.transports else [backend.a2a_transport]
+    for t in transports:
+        try:
+            backend.a2a(t, backend.device(0))
+        except ValueError as e:
+            raise UserError(f"--transports: {e}") from None
+    prios = ([int(p) for p in a.priorities.split(",")] if a.priorities
+             else [backend.comm_stream_priority])
+    count = backend.probe().get("device_count") or 0
+    if backend.device_type != "cpu" and a.nproc > count:
+        raise UserError(f"--nproc: {a.nproc} ranks but only {count} {backend.name} device(s)")
+    report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
+                       trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
+                       trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke)
+    write_report(report, a.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longmoe", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -121,6 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--out", help="write the JSON report here")
     bl.add_argument("--smoke", action="store_true", help="tiny shapes: check the bench runs")
     bl.set_defaults(fn=_cmd_bench)
+
+    bm = bsub.add_parser("moe-layer", help="one MoE layer under EP: no chunks vs chunked, "
+                                          "per transport; comm-alone and GEMM-alone times")
+    bm.add_argument("--tokens", default="4096,8192,16384,32768,65536", help="local tokens/rank")
+    bm.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts (1 = the baseline)")
+    bm.add_argument("--transports", help="comma list: process_group,symmetric_memory "
+                                         "(default: the backend's auto choice)")
+    bm.add_argument("--priorities", help="comm-stream priorities (default: the backend's)")
+    bm.add_argument("--nproc", type=int, default=2, help="EP ranks (one per device)")
+    bm.add_argument("--device", help="backend name (default: auto)")
+    bm.add_argument("--iters", type=int, default=5)
+    bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")
+    bm.add_argument("--trace-dir", help="where the traces go")
+    bm.add_argument("--trace-chunks", default="1,8", help="chunk counts to trace")
+    bm.add_argument("--out", help="write the JSON report here")
+    bm.add_argument("--smoke", action="store_true", help="tiny layer on CPU ranks: check it runs")
+    bm.set_defaults(fn=_cmd_bench_moe)
 
     k = sub.add_parser("kernels", help="compile-check every Triton kernel config per GPU target")
     ksub = k.add_subparsers(dest="kcmd", required=True)

@@ -126,3 +126,24 @@ def test_wgrad_on_gpu_matches_loop(impl):
     ref = grouped_mm_wgrad(x.double(), dy.double(), sizes, w.double(), impl="loop")
     got = grouped_mm_wgrad(x.bfloat16(), dy.bfloat16(), sizes, w, impl=impl)
     torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=0.3, msg=f"seed {seed}")
+
+
+def test_moe_layer_bench_smoke_on_cpu_ranks(tmp_path):
+    # The benchmark's whole path (2 gloo ranks, sweep, comm/GEMM alone, summary, traces) runs.
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "moe.json"
+    p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "moe-layer", "--smoke",
+                        "--device", "cpu", "--out", str(out), "--trace-tokens", "64",
+                        "--trace-dir", str(tmp_path / "tr"), "--trace-chunks", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    kinds = sorted({r["kind"] for r in rep["rows"]})
+    assert kinds == ["comm", "gemm", "layer"]
+    (s,) = rep["summary"]
+    assert s["T"] == 64 and s["best_chunks"] in (1, 2) and s["comm_ms"] > 0 and s["gemm_ms"] > 0
+    assert rep["traces"] == ["process_group_T64_C2_rank0.json.gz"] or \
+        rep["traces"] == ["process_group_T64_C2_rank1.json.gz"]
+    assert "| process_group |" in p.stdout

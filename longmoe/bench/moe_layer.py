@@ -1,0 +1,272 @@
+"""`longmoe bench moe-layer`: one MoE layer forward+backward under expert parallelism, no chunks
+against chunked, per transport and comm-stream priority, with the all-to-all alone and the expert
+GEMMs alone measured in the same run.
+
+Per (transport, priority, T, chunks): rank-max of each rank's median fwd+bwd ms (device events,
+after warm-up, ranks aligned by a barrier before every iteration) and rank-max peak memory above
+what was allocated before the iteration. Per (transport, T): the layer's four all-to-alls alone
+(dispatch and combine, forward and backward) and its expert GEMMs alone (the pipeline's own
+forward/dgrad/wgrad calls on the rows one rank receives). Then
+
+    hidden fraction = (T_nochunk - T_chunk) / min(T_comm, T_gemm)
+
+Legend: T local tokens per rank, K top-k, H hidden, C chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gzip
+import json
+import os
+import shutil
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from longmoe.config import from_dict as model_from_dict, get_preset
+
+
+def _timed(backend, fn, iters: int, warmup: int = 2):
+    for _ in range(warmup):
+        fn()
+    backend.synchronize()
+    times, peaks = [], []
+    for _ in range(iters):
+        if dist.is_initialized():
+            dist.barrier()
+        backend.synchronize()
+        base = backend.memory_allocated()
+        backend.reset_peak_memory()
+        with backend.timer() as t:
+            fn()
+        times.append(t.elapsed_ms)
+        peaks.append(backend.peak_memory_bytes() - base)
+    return statistics.median(times), max(peaks)
+
+
+def _layer(cfg, rank, world, backend, dtype):
+    from longmoe.model.moe import MoE
+    from longmoe.model.transformer import init_params
+    moe = MoE(cfg, ep_rank=rank, ep_size=world)
+    init_params(moe, cfg, 0)
+    moe.to(device=backend.device(rank), dtype=dtype)
+    moe.batch_group = dist.group.WORLD if world > 1 else None
+    return moe
+
+
+def _comm_alone(pipe, x_TH, H):
+    """The four all-to-alls of one layer (dispatch+combine, forward and backward), chunks=1."""
+    plan = pipe.plan
+    send = x_TH.new_empty((plan.order_A.numel(), H)).normal_()
+    recv = x_TH.new_empty((sum(plan.recv[0]), H))
+
+    def run():
+        for _ in range(2):
+            pipe.a2a(recv, send, 0, reverse=False)
+            pipe.a2a(send, recv, 0, reverse=True)
+    return run
+
+
+def _gemm_alone(moe, rows, H, device, dtype, impl="auto"):
+    from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
+    from longmoe.parallel.moe_pipeline import swiglu, swiglu_backward
+    M = sum(rows)
+    xg = torch.randn(M, H, device=device, dtype=dtype)
+    gy = torch.randn(M, H, device=device, dtype=dtype)
+    w_in, w_out = moe.experts.w_in.detach(), moe.experts.w_out.detach()
+
+    def run():
+        h = grouped_mm(xg, w_in, rows, impl=impl)
+        grouped_mm(swiglu(h), w_out, rows, impl=impl)
+        ga = grouped_mm(gy, w_out.transpose(1, 2), rows, impl=impl)
+        gh, a = swiglu_backward(h, ga)
+        grouped_mm(gh, w_in.transpose(1, 2), rows, impl=impl)
+        grouped_mm_wgrad(a, gy, rows, w_out, impl)
+        grouped_mm_wgrad(xg, gh, rows, w_in, impl)
+    return run
+
+
+def _rank(rank, world, backend, spec):
+    from longmoe.parallel.expert_parallel import ExpertDispatcher, plan_routes
+    from longmoe.parallel.moe_pipeline import ChunkPipeline
+    cfg = model_from_dict(spec["model"])
+    dtype = getattr(torch, spec["dtype"])
+    device = backend.device(rank)
+    moe = _layer(cfg, rank, world, backend, dtype)
+    H, E, K = cfg.hidden_size, cfg.num_experts, cfg.top_k
+    group = dist.group.WORLD
+    rows_out = []
+    for transport in spec["transports"]:
+        tr = backend.a2a(transport, device)
+        for prio in spec["priorities"]:
+            streams = backend.streams(prio)
+            for T in spec["tokens"]:
+                g = torch.Generator(device=device).manual_seed(1000 + rank)
+                x = torch.randn(1, T, H, device=device, dtype=dtype, generator=g).requires_grad_()
+                gy = torch.randn(1, T, H, device=device, dtype=dtype, generator=g)
+
+                def step():
+                    x.grad = None
+                    moe.zero_grad(set_to_none=True)
+                    y, aux = moe(x)
+                    torch.autograd.backward([y, aux], [gy, torch.ones_like(aux)])
+
+                base = {"transport": transport, "priority": prio, "T": T}
+                for C in [c for c in spec["chunks"] if c <= T]:
+                    moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams)
+                    ms, peak = _timed(backend, step, spec["iters"])
+                    rows_out.append({**base, "kind": "layer", "chunks": C, "ms": ms,
+                                     "peak_bytes": peak})
+                    if spec.get("trace_tokens") == T and C in spec["trace_chunks"] and \
+                            prio == spec["priorities"][0]:
+                        _trace(step, backend, Path(spec["trace_dir"]) /
+                               f"{transport}_T{T}_C{C}_rank{rank}.json")
+                if prio != spec["priorities"][0]:
+                    continue
+                with torch.no_grad():
+                    idx, _, _ = moe.router(x.detach().view(T, H))
+                plan = plan_routes(idx, E, 1, group)
+                pipe = ChunkPipeline(plan, K, group, tr, backend.streams(prio))
+                ms, _ = _timed(backend, _comm_alone(pipe, x.detach().view(T, H), H), spec["iters"])
+                moved = 2 * (plan.order_A.numel() + sum(plan.recv[0])) * H * x.element_size()
+                rows_out.append({**base, "kind": "comm", "ms": ms, "bytes": moved})
+                run = _gemm_alone(moe, plan.expert_rows[0], H, device, dtype)
+                ms, _ = _timed(backend, run, spec["iters"])
+                M = sum(plan.expert_rows[0])
+                rows_out.append({**base, "kind": "gemm", "ms": ms, "rows": M,
+                                 "flops": 18 * M * H * cfg.moe_ffn_size})  # fwd 6MHF, bwd 12MHF
+                del x, gy
+    return rows_out
+
+
+def _trace(step, backend, path: Path):
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    backend.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.device_type != "cpu" else [])
+    with profile(activities=acts) as prof:
+        step()
+        backend.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+
+
+def merge(per_rank: list[list[dict]]) -> list[dict]:
+    """Rank-max of time and peak memory per case (the slowest rank sets the layer's pace)."""
+    out = []
+    for rows in zip(*per_rank):
+        m = dict(rows[0])
+        m["ms"] = max(r["ms"] for r in rows)
+        m["ms_per_rank"] = [round(r["ms"], 4) for r in rows]
+        if "peak_bytes" in m:
+            m["peak_bytes"] = max(r["peak_bytes"] for r in rows)
+        out.append(m)
+    return out
+
+
+def summarize(rows: list[dict], default_chunks) -> list[dict]:
+    """Per (transport, priority, T): baseline, best and default chunk counts, hidden fraction."""
+    out = []
+    keys = sorted({(r["transport"], r["priority"], r["T"]) for r in rows if r["kind"] == "layer"},
+                  key=lambda k: (k[0], k[1], k[2]))
+    for tr, prio, T in keys:
+        layer = {r["chunks"]: r for r in rows if r["kind"] == "layer" and
+                 (r["transport"], r["priority"], r["T"]) == (tr, prio, T)}
+        if 1 not in layer:
+            continue
+        pick = lambda kind: next((r for r in rows if r["kind"] == kind and  # noqa: E731
+                                  (r["transport"], r["T"]) == (tr, T)), None)
+        comm, gemm = pick("comm"), pick("gemm")
+        best_c = min(layer, key=lambda c: layer[c]["ms"])
+        dflt = default_chunks(T)
+        base = layer[1]["ms"]
+        s = {"transport": tr, "priority": prio, "T": T, "nochunk_ms": base,
+             "best_chunks": best_c, "best_ms": layer[best_c]["ms"],
+             "speedup_best": base / layer[best_c]["ms"] - 1,
+             "nochunk_peak_gib": layer[1]["peak_bytes"] / 2**30,
+             "best_peak_gib": layer[best_c]["peak_bytes"] / 2**30,
+             "default_chunks": dflt}
+        if dflt in layer:
+            s.update(default_ms=layer[dflt]["ms"], speedup_default=base / layer[dflt]["ms"] - 1)
+        if comm and gemm:
+            s.update(comm_ms=comm["ms"], gemm_ms=gemm["ms"],
+                     comm_GBps=comm["bytes"] / comm["ms"] / 1e6,
+                     hidden_fraction=(base - layer[best_c]["ms"]) / min(comm["ms"], gemm["ms"]))
+        out.append(s)
+    return out
+
+
+def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
+              dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
+              smoke=False) -> dict:
+    from longmoe.backends import get_backend
+    from longmoe.paired.spawn import run_ranks
+    from longmoe.tuning import default_chunks
+    backend = get_backend(device)
+    cfg = get_preset(preset)
+    if smoke:
+        cfg = get_preset("tiny").replace(num_experts=8, top_k=2)
+    spec = {"model": dataclasses.asdict(cfg), "dtype": dtype, "tokens": tokens, "chunks": chunks,
+            "transports": transports, "priorities": priorities, "iters": iters,
+            "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
+            "trace_dir": str(trace_dir or "")}
+    per_rank = run_ranks(_rank, nproc, spec, device=device)
+    rows = merge(per_rank)
+    report = {
+        "bench": "moe-layer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
+        "backend": backend.name, "versions": backend.versions(),
+        "env": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",
+                                                "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+        "layer": {"hidden": cfg.hidden_size, "experts": cfg.num_experts, "top_k": cfg.top_k,
+                  "moe_ffn": cfg.moe_ffn_size, "shared_ffn": cfg.shared_expert_ffn_size,
+                  "dtype": dtype, "ep": nproc},
+        "rows": rows, "summary": summarize(rows, default_chunks)}
+    if trace_tokens and trace_dir:
+        report["traces"] = _keep_critical_traces(Path(trace_dir), rows, trace_tokens, nproc)
+    return report
+
+
+def _keep_critical_traces(d: Path, rows, T, nproc) -> list[str]:
+    """gzip the slowest rank's traces at T (the seeds' Figure 8/9 view), drop the others."""
+    kept = []
+    for f in sorted(d.glob(f"*_T{T}_C*_rank0.json")):
+        stem = f.name[: -len("_rank0.json")]
+        tr, c = stem.split("_T")[0], int(stem.rsplit("_C", 1)[1])
+        case = next((r for r in rows if r["kind"] == "layer" and r["transport"] == tr
+                     and r["T"] == T and r["chunks"] == c), None)
+        crit = max(range(nproc), key=lambda r: case["ms_per_rank"][r]) if case else 0
+        src = d / f"{stem}_rank{crit}.json"
+        dst = d / f"{stem}_rank{crit}.json.gz"
+        with open(src, "rb") as fi, gzip.open(dst, "wb") as fo:
+            shutil.copyfileobj(fi, fo)
+        kept.append(dst.name)
+        for r in range(nproc):
+            (d / f"{stem}_rank{r}.json").unlink(missing_ok=True)
+    return kept
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| transport | prio | T/rank | no-chunk ms | best C | best ms | speedup | default C |"
+             " default speedup | comm ms | GEMM ms | hidden | peak GiB (1 -> best) |",
+             "|" + "---|" * 13]
+    for s in report["summary"]:
+        lines.append(
+            f"| {s['transport']} | {s['priority']} | {s['T']} | {s['nochunk_ms']:.2f} | "
+            f"{s['best_chunks']} | {s['best_ms']:.2f} | {s['speedup_best']:+.1%} | "
+            f"{s['default_chunks']} | {s.get('speedup_default', float('nan')):+.1%} | "
+            f"{s.get('comm_ms', float('nan')):.2f} | {s.get('gemm_ms', float('nan')):.2f} | "
+            f"{s.get('hidden_fraction', float('nan')):.0%} | "
+            f"{s['nochunk_peak_gib']:.2f} -> {s['best_peak_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: str | None):
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+    print(markdown_table(report))
