@@ -4,8 +4,9 @@
   doctor    backend, devices, library versions, what is missing
   paired    a candidate implementation against its plain-PyTorch reference
   kernels   compile every Triton kernel config for every GPU target (no GPU needed)
-  bench     benchmarks whose JSON results are committed (linear-ce)
+  bench     benchmarks whose JSON results are committed (linear-ce, moe-layer)
   recipe    plan TP/PP/EP/CP, recompute and chunks for a model, GPU type, count and length
+  tune      measure and cache the chunk count of chunked EP for this machine (or --predict)
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from longmoe.plan.cli import add_parser as add_recipe_parser
     add_recipe_parser(sub)
+    from longmoe.tuning.cli import add_parser as add_tune_parser
+    add_tune_parser(sub)
     return p
 
 

@@ -1,4 +1,17 @@
-from longmoe.tuning import default_chunks
+"""The chunk-count tuner: formula, cache (keys, round trip, bad files), runtime resolution, the
+tuner end to end on 2 gloo ranks, and the cost model's predictions."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from longmoe.backends import get_backend
+from longmoe.config import get_preset
+from longmoe.errors import UserError
+from longmoe.tuning import FORMULA, default_chunks, resolve_chunks
+from longmoe.tuning import cache
 
 
 def test_default_chunks_formula():
@@ -6,3 +19,111 @@ def test_default_chunks_formula():
     assert default_chunks(16384) == 2
     assert default_chunks(65536) == 8
     assert default_chunks(1 << 20) == 8
+
+
+def test_buckets_and_keys():
+    assert [cache.seq_bucket(t) for t in (1, 4096, 4097, 65536)] == [1, 4096, 8192, 65536]
+    k = cache.make_key("cuda", "sm_90", "nvlink-8", 2, 2048, 8, "bfloat16", 30000)
+    assert k == "cuda|sm_90|nvlink-8|ep2|h2048|k8|bfloat16|t32768"
+    probe = {"name": "cuda", "interconnect": {"link": "nvlink", "gpus_per_node": 8}}
+    assert cache.interconnect_signature(probe) == "nvlink-8"
+    assert cache.interconnect_signature({"name": "cpu"}) == "cpu"
+
+
+def test_cache_round_trip_and_merge(tmp_path):
+    cache.save(tmp_path, {"a": {"chunks": 4}})
+    cache.save(tmp_path, {"b": {"chunks": 2}})
+    assert cache.load(tmp_path / cache.FILE_NAME) == {"a": {"chunks": 4}, "b": {"chunks": 2}}
+    assert cache.lookup("b", [tmp_path])[0] == {"chunks": 2}
+    assert cache.lookup("c", [tmp_path]) == (None, None)
+    assert not list(tmp_path.glob(".chunks-*"))  # the temporary file was renamed into place
+
+
+@pytest.mark.parametrize("text,why", [("{not json", "not valid JSON"),
+                                      ('{"schema": 99, "entries": {}}', "schema 99"),
+                                      ("[1, 2]", "schema 'list'")])
+def test_bad_cache_file_is_ignored_with_a_warning(tmp_path, text, why):
+    (tmp_path / cache.FILE_NAME).write_text(text)
+    with pytest.warns(UserWarning, match=why):
+        assert cache.load(tmp_path / cache.FILE_NAME) == {}
+
+
+def test_runtime_prefers_a_matching_cache_entry(tmp_path, monkeypatch):
+    cpu = get_backend("cpu")
+    assert resolve_chunks(3, cpu, 2, 64, 2, "float32", 2048) == (3, "config")
+    n, src = resolve_chunks("auto", cpu, 2, 64, 2, "float32", 20000)
+    assert (n, src) == (2, f"formula {FORMULA}")
+    key = cache.make_key("cpu", cpu.arch, "cpu", 2, 64, 2, "float32", 2048)
+    cache.save(tmp_path, {key: {"chunks": 4}})
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
+    n, src = resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048)
+    assert n == 4 and "tuning cache" in src and key in src
+    # another bucket, hidden size or EP size does not match
+    assert resolve_chunks("auto", cpu, 2, 64, 2, "float32", 4097)[1].startswith("formula")
+    assert resolve_chunks("auto", cpu, 4, 64, 2, "float32", 2048)[1].startswith("formula")
+    (tmp_path / cache.FILE_NAME).write_text("garbage")
+    with pytest.warns(UserWarning):
+        assert resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048)[1].startswith("formula")
+
+
+def test_input_errors_name_the_flag():
+    from longmoe.tuning.tuner import check_inputs
+    with pytest.raises(UserError, match="--chunks: 3 does not divide --seq-lens value 4096"):
+        check_inputs([4096], [1, 3], 2, 256)
+    with pytest.raises(UserError, match="--ep: 1"):
+        check_inputs([4096], [1], 1, 256)
+    with pytest.raises(UserError, match="--ep: 3 does not divide"):
+        check_inputs([4096], [1], 3, 256)
+
+
+def test_tuner_end_to_end_on_two_gloo_ranks(tmp_path, monkeypatch):
+    out = tmp_path / "tune"
+    p = subprocess.run([sys.executable, "-m", "longmoe", "tune", "chunks", "--smoke", "--device",
+                        "cpu", "--ep", "2", "--seq-lens", "64,128", "--chunks", "1,2",
+                        "--iters", "2", "--out", str(out), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    summary = json.loads(p.stdout[p.stdout.index("{"):])
+    entries = cache.load(out / cache.FILE_NAME)
+    assert len(entries) == 2 and all(k.startswith("cpu|cpu|cpu|ep2|") for k in entries)
+    for T, r in summary["results"].items():
+        sweep = r["sweep_ms"]["process_group"]
+        assert set(sweep) == {"1", "2"} and r["chunks"] in (1, 2)
+        assert r["ms"] == pytest.approx(min(sweep.values()), abs=1e-3)  # the pick is the fastest
+    assert summary["plot"] and (out / summary["plot"].split("/")[-1]).stat().st_size > 1000
+    assert summary["traces"] and all(t.endswith(".json.gz") for t in summary["traces"])
+    # the runtime reads what the tuner wrote
+    cfg = get_preset("tiny")
+    monkeypatch.setenv(cache.ENV_DIR, str(out))
+    n, src = resolve_chunks("auto", get_backend("cpu"), 2, cfg.hidden_size, 2, "float32", 128)
+    assert "tuning cache" in src and n == summary["results"]["128"]["chunks"]
+
+
+def test_cost_model_predictions_are_labelled_and_sane():
+    from longmoe.tuning.cost_model import calibration, layer_time, predict
+    from longmoe.plan.hardware import get_hardware
+    cfg = get_preset("qwen3.5-35b-a3b")
+    res = predict("mi300x", cfg, 8, [4096, 65536], [1, 2, 4, 8, 16])
+    assert res["label"].startswith("PREDICTION")
+    r4k, r64k = res["results"]["4096"], res["results"]["65536"]
+    assert r64k["best_chunks"] >= r4k["best_chunks"] and r64k["speedup"] >= r4k["speedup"] >= 0
+    # calibration: the H200 point it was fitted on comes back (4.8 ms forward GEMMs at 64K, EP 2)
+    t = layer_time(get_hardware("h200"), cfg, 2, 65536, 1, "process_group")
+    assert abs(t["gemm_ms"] / 3 - 4.8) < 0.3
+    assert abs(t["comm_ms"] / 4 - 3.5) < 0.3
+    for name, fig in calibration().items():
+        if not name.startswith("_"):
+            leaves = fig.values() if "value" not in fig else [fig]
+            assert all("source" in v for v in leaves), name
+    with pytest.raises(UserError, match="--hardware: unknown hardware 'tpu'"):
+        predict("tpu", cfg, 8, [4096], [1])
+    with pytest.raises(UserError, match="--ep: 16 exceeds"):
+        predict("mi300x", cfg, 16, [4096], [1])
+
+
+def test_predict_cli_table():
+    p = subprocess.run([sys.executable, "-m", "longmoe", "tune", "chunks", "--predict",
+                        "--hardware", "mi300x", "--ep", "8", "--seq-lens", "16384,65536"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "PREDICTION" in p.stdout and "| 65536 |" in p.stdout

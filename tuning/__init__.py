@@ -1,21 +1,45 @@
 """longmoe.tuning: how many chunks chunked EP splits a MoE layer's tokens into.
 
-The runtime asks `default_chunks`; the tuner (issue F) will write measured caches next to this
-file and the runtime will prefer them. Until then the default is a formula:
+The runtime (`parallel.chunks: auto`) asks `resolve_chunks`: a measured entry from the tuning
+cache (`longmoe tune chunks`, see cache.py for the key) when one matches this machine and layer,
+otherwise the formula
 
     chunks = clamp(local_tokens // 8192, 1, 8)
 
-Why: the all-to-all of a chunk can only hide under another chunk's expert GEMMs when both are
-large enough to keep the GPU busy; below ~8K tokens per chunk (x top-8 = 64K rows) the GEMMs
-and the collective are latency-bound and extra chunks only add launches and host work. The seeds
-saw speedups growing from 4K to 64K local tokens; 8 chunks caps the per-layer overhead.
+and it reports which one it used. Why the formula: the all-to-all of a chunk can only hide under
+another chunk's expert GEMMs when both are large enough to keep the GPU busy; below ~8K tokens
+per chunk (x top-8 = 64K rows) the GEMMs and the collective are latency-bound and extra chunks
+only add launches and host work. The seeds saw speedups growing from 4K to 64K local tokens;
+8 chunks caps the per-layer overhead.
 """
 
 from __future__ import annotations
 
 TOKENS_PER_CHUNK = 8192
 MAX_CHUNKS = 8
+FORMULA = f"clamp(local_tokens // {TOKENS_PER_CHUNK}, 1, {MAX_CHUNKS})"
 
 
 def default_chunks(local_tokens: int) -> int:
     return max(1, min(MAX_CHUNKS, local_tokens // TOKENS_PER_CHUNK))
+
+
+def cache_key_for(backend, ep: int, hidden: int, top_k: int, dtype: str, local_tokens: int) -> str:
+    from longmoe.tuning.cache import interconnect_signature, make_key
+    probe = backend.probe()
+    return make_key(backend.name, backend.arch, interconnect_signature(probe), ep, hidden, top_k,
+                    dtype, local_tokens)
+
+
+def resolve_chunks(setting, backend, ep: int, hidden: int, top_k: int, dtype: str,
+                   local_tokens: int) -> tuple[int, str]:
+    """(chunks, where the number came from) for a `parallel.chunks` setting (int or "auto")."""
+    if setting != "auto":
+        return int(setting), "config"
+    if ep > 1:
+        from longmoe.tuning.cache import lookup
+        key = cache_key_for(backend, ep, hidden, top_k, dtype, local_tokens)
+        entry, path = lookup(key)
+        if entry is not None:
+            return min(int(entry["chunks"]), local_tokens), f"tuning cache {path} [{key}]"
+    return min(default_chunks(local_tokens), local_tokens), f"formula {FORMULA}"

@@ -21,7 +21,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ParallelConfig:
     ep: int = 1                     # expert-parallel group size (consecutive ranks)
-    chunks: int = 1                 # chunked EP: token chunks per MoE layer
+    # chunked EP: token chunks per MoE layer, or "auto" (tuning cache, else formula; see
+    # longmoe.tuning)
+    chunks: int | str = 1
     # Expert all-to-all transport: auto | process_group | symmetric_memory (backends/transports.py)
     a2a_transport: str = "auto"
     fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
@@ -40,8 +42,10 @@ class ParallelConfig:
     def __post_init__(self):
         if self.ep < 1:
             raise ConfigError("parallel.ep", f"must be >= 1, got {self.ep}")
-        if self.chunks < 1:
-            raise ConfigError("parallel.chunks", f"must be >= 1, got {self.chunks}")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or
+                                      not isinstance(self.chunks, int) or self.chunks < 1):
+            raise ConfigError("parallel.chunks", f"must be an integer >= 1 or auto, "
+                                                 f"got {self.chunks!r}")
         from longmoe.backends.collective import TRANSPORT_NAMES
         if self.a2a_transport not in ("auto",) + TRANSPORT_NAMES:
             raise ConfigError("parallel.a2a_transport",

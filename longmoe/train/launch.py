@@ -35,7 +35,7 @@ def validate(run: RunConfig, nproc: int):
         raise UserError(f"parallel.cp: data.seq_len={run.data.seq_len} does not split into "
                         f"2*cp={2 * cp} equal zigzag pieces")
     per_rank_tokens = run.data.batch_size * run.data.seq_len // cp
-    if run.parallel.chunks > per_rank_tokens:
+    if run.parallel.chunks != "auto" and run.parallel.chunks > per_rank_tokens:
         raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the "
                         f"{per_rank_tokens} tokens a rank holds per layer")
     if run.data.seq_len > run.model.max_seq_len:

@@ -17,6 +17,7 @@ from longmoe.model.transformer import MoETransformer
 from longmoe.ops.recompute import apply_recompute
 from longmoe.parallel.context_parallel import ContextParallel
 from longmoe.backends import active_backend
+from longmoe.tuning import resolve_chunks
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 from longmoe.parallel.fsdp import apply_fsdp
 from longmoe.parallel.mesh import Layout
@@ -40,9 +41,12 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
             block.attn.cp = cp
     backend = active_backend()
     transport, streams = backend.a2a(par.a2a_transport, device), backend.streams()
+    local_tokens = run.data.batch_size * run.data.seq_len // layout.cp
+    chunks, model.chunks_source = resolve_chunks(par.chunks, backend, layout.ep, cfg.hidden_size,
+                                                 cfg.top_k, par.param_dtype, local_tokens)
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
-        moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, par.chunks,
+        moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, chunks,
                                           transport=transport, streams=streams)
         moe.batch_group = layout.batch_group
     model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),

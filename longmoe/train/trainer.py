@@ -86,8 +86,13 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
             progress.info(f"no checkpoint in {opts.checkpoint_dir}; starting fresh")
     progress.info(f"longmoe: {world} rank(s) on {backend.name}, ep={layout.ep}, "
                   f"cp={layout.cp}, fsdp={run.parallel.fsdp}, recompute={run.parallel.recompute}, "
-                  f"chunks={run.parallel.chunks}, linear_ce={run.impl.linear_ce}, "
-                  f"params {model_meta['num_layers']} layers")
+                  f"linear_ce={run.impl.linear_ce}, params {model_meta['num_layers']} layers")
+    moes = model.moe_layers()
+    if moes and layout.ep > 1:
+        d = moes[0].dispatcher
+        progress.info(f"chunked EP: chunks={d.chunks} ({model.chunks_source}), "
+                      f"all-to-all {d.transport.name}, overlap streams "
+                      f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
     for step in range(start, run.train.steps):
         batch, positions = local_batch(source.batch(step, layout.data_rank, layout.data_world)

@@ -1,0 +1,78 @@
+"""`longmoe tune chunks`: measure (or, with --predict, model) the best chunk count."""
+
+from __future__ import annotations
+
+import json
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    from longmoe.errors import UserError
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UserError(f"{flag}: values must be >= 1, got {text!r}")
+    return vals
+
+
+def _cmd(a) -> int:
+    from longmoe.config import get_preset
+    seq_lens, chunks = _ints(a.seq_lens, "--seq-lens"), _ints(a.chunks, "--chunks")
+    if a.predict:
+        from longmoe.tuning.cost_model import predict
+        from longmoe.tuning.tuner import check_inputs
+        cfg = get_preset(a.model)
+        check_inputs(seq_lens, chunks, a.ep, cfg.num_experts)
+        res = predict(a.hardware or "h200", cfg, a.ep, seq_lens, chunks, a.transport)
+        if a.json:
+            print(json.dumps(res, indent=1))
+            return 0
+        print(f"{res['label']}: {res['hardware']}, EP={a.ep}, {a.model}, {a.transport}")
+        print("| T/rank | best chunks | no-chunk ms | best ms | speedup | GEMM ms | comm ms |")
+        print("|---|---|---|---|---|---|---|")
+        for T, r in res["results"].items():
+            print(f"| {T} | {r['best_chunks']} | {r['nochunk_ms']:.2f} | {r['best_ms']:.2f} | "
+                  f"{r['speedup']:+.1%} | {r['gemm_ms']:.2f} | {r['comm_ms']:.2f} |")
+        return 0
+    from longmoe.backends import active_backend
+    from longmoe.tuning.tuner import tune_chunks
+    device = a.device or active_backend().name
+    summary = tune_chunks(a.model, a.ep, seq_lens, chunks, a.out, device, a.iters,
+                          a.trace_seq_len, smoke=a.smoke, show_progress=not a.json)
+    if a.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print("| T/rank | best chunks | transport | no-chunk ms | best ms | speedup | hidden |")
+    print("|---|---|---|---|---|---|---|")
+    for T, r in summary["results"].items():
+        print(f"| {T} | {r['chunks']} | {r['transport']} | {r['nochunk_ms']:.2f} | {r['ms']:.2f} "
+              f"| {r['speedup']:+.1%} | {r.get('hidden_fraction', float('nan')):.0%} |")
+    print(f"cache: {summary['cache']}")
+    print(f"plot: {summary['plot'] or summary['plot_note']}")
+    for t in summary["traces"]:
+        print(f"trace: {t}")
+    return 0
+
+
+def add_parser(sub):
+    t = sub.add_parser("tune", help="measure and cache tuned settings for this machine")
+    tsub = t.add_subparsers(dest="tcmd", required=True)
+    c = tsub.add_parser("chunks", help="chunk count of chunked EP for one MoE layer")
+    c.add_argument("--model", default="qwen3.5-35b-a3b", help="model preset")
+    c.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (one per device)")
+    c.add_argument("--seq-lens", default="4096,8192,16384,32768,65536",
+                   help="local tokens per rank to tune for")
+    c.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts to sweep (1 = baseline)")
+    c.add_argument("--out", default="tuning-out", help="cache, plot and traces go here; point "
+                   "LONGMOE_TUNING_DIR at it for training runs")
+    c.add_argument("--device", help="backend name (default: auto)")
+    c.add_argument("--iters", type=int, default=5)
+    c.add_argument("--trace-seq-len", type=int, help="length to profile (default: the middle one)")
+    c.add_argument("--smoke", action="store_true", help="tiny layer: check the tuner runs")
+    c.add_argument("--predict", action="store_true",
+                   help="cost model instead of measuring (for hardware not at hand)")
+    c.add_argument("--hardware", help="with --predict: h100, h200, mi300x, mi325x, mi355x")
+    c.add_argument("--transport", default="process_group", help="with --predict")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=_cmd)
