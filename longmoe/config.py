@@ -14,6 +14,9 @@ from typing import Any
 from longmoe.errors import ConfigError
 
 
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 512
@@ -46,9 +49,14 @@ class ModelConfig:
     expert_bias_rate: float = 0.0
     max_seq_len: int = 4096
     init_std: float = 0.02
-    # Layer types of the published model ("full_attention" / "linear_attention"). Every layer
-    # runs full attention until Gated DeltaNet lands; the list is kept so the loss is visible.
+    # Layer types ("full_attention" / "linear_attention"); empty means all full attention.
+    # A linear_attention layer is Gated DeltaNet (longmoe/model/deltanet.py) with these sizes:
     layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel: int = 4
     source: str = ""
 
     def __post_init__(self):
@@ -71,6 +79,20 @@ class ModelConfig:
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ConfigError("model.layer_types", f"has {len(self.layer_types)} entries for "
                                                    f"num_layers={self.num_layers}")
+        for i, t in enumerate(self.layer_types):
+            if t not in LAYER_TYPES:
+                raise ConfigError(f"model.layer_types[{i}]",
+                                  f"unknown layer type {t!r}; valid: {', '.join(LAYER_TYPES)}")
+        if "linear_attention" in self.layer_types:
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ConfigError(f"model.{name}", f"must be a positive integer, got {v!r}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError("model.linear_num_key_heads",
+                                  f"{self.linear_num_key_heads} does not divide "
+                                  f"linear_num_value_heads={self.linear_num_value_heads}")
         for name in ("rms_norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(self, name)!r}")
@@ -79,6 +101,9 @@ class ModelConfig:
         for name in ("router_aux_loss_coef", "expert_bias_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}", "must be >= 0")
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     @property
     def rotary_dim(self) -> int:
@@ -96,10 +121,15 @@ class ModelConfig:
         expert = 3 * h * self.moe_ffn_size
         shared = 3 * h * self.shared_expert_ffn_size + h if self.shared_expert_ffn_size else 0
         router = h * self.num_experts
-        layer_common = attn + shared + router + 2 * h
+        from longmoe.model.flops import linear_attention_params
+        linear = linear_attention_params(self)
+        n_linear = sum(1 for i in range(self.num_layers)
+                       if self.layer_type(i) == "linear_attention")
+        moe_common = shared + router + 2 * h
+        mixers = (self.num_layers - n_linear) * attn + n_linear * linear
         emb = 2 * self.vocab_size * h + h
-        total = self.num_layers * (layer_common + self.num_experts * expert) + emb
-        active = self.num_layers * (layer_common + self.top_k * expert) + emb
+        total = mixers + self.num_layers * (moe_common + self.num_experts * expert) + emb
+        active = mixers + self.num_layers * (moe_common + self.top_k * expert) + emb
         return {"total": total, "active": active}
 
 
@@ -140,6 +170,13 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         partial_rotary_factor=0.5, attn_output_gate=True, num_experts=8, top_k=2,
         moe_ffn_size=32, shared_expert_ffn_size=48, max_seq_len=1024, source="longmoe tiny"),
+    # tiny with the Qwen3.5 hybrid layout: three Gated DeltaNet layers, then full attention.
+    "tiny-hybrid": ModelConfig(
+        vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        partial_rotary_factor=0.25, norm_unit_offset=True, attn_output_gate=True, num_experts=8,
+        top_k=2, moe_ffn_size=32, shared_expert_ffn_size=48, max_seq_len=1024,
+        layer_types=_qwen35_layer_types(4), linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, source="longmoe tiny-hybrid"),
     # Source: huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (model_type qwen3_moe).
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
@@ -150,9 +187,10 @@ PRESETS: dict[str, ModelConfig] = {
     # Source: huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json, text_config
     # (model_type qwen3_5_moe), cross-checked with transformers' configuration_qwen3_5_moe.py and
     # THUDM/slime scripts/models/qwen3.5-35B-A3B.sh. router_aux_loss_coef 0.001 is the
-    # transformers default (not confirmed in the original file). Its 30 Gated DeltaNet layers
-    # run as full attention here until the linear-attention layer lands (issue I); layer_types
-    # keeps the published layout. The MTP head and the vision tower are not modelled.
+    # transformers default (not confirmed in the original file). 30 of its 40 layers are Gated
+    # DeltaNet (16 key heads, 32 value heads, dims 128, conv kernel 4: transformers' defaults for
+    # qwen3_5_moe, which the published config uses). The MTP head and the vision tower are not
+    # modelled.
     "qwen3.5-35b-a3b": ModelConfig(
         vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=2,
         head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0, rms_norm_eps=1e-6,
@@ -171,6 +209,13 @@ def get_preset(name: str) -> ModelConfig:
 
 # ---- Hugging Face config.json -------------------------------------------------------------
 
+_LINEAR_KEYS = (("linear_num_key_heads", "linear_num_key_heads"),
+                ("linear_num_value_heads", "linear_num_value_heads"),
+                ("linear_key_head_dim", "linear_key_head_dim"),
+                ("linear_value_head_dim", "linear_value_head_dim"),
+                ("linear_conv_kernel", "linear_conv_kernel_dim"))
+
+
 def from_hf_config(path: str | Path, num_layers: int | None = None) -> ModelConfig:
     """Read a `qwen3_moe` or `qwen3_5_moe` config.json (config only; no weights)."""
     path = Path(path)
@@ -184,9 +229,9 @@ def from_hf_config(path: str | Path, num_layers: int | None = None) -> ModelConf
         raise ConfigError("model.hf_config", f"{path}: top level must be a JSON object")
     mt = raw.get("model_type")
     text = raw.get("text_config", raw) if mt in ("qwen3_5_moe",) else raw
-    if mt not in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
+    if mt not in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"):
         raise ConfigError("model.hf_config", f"{path}: unsupported model_type {mt!r} "
-                                             "(supported: qwen3_moe, qwen3_5_moe)")
+                                             "(supported: qwen3_moe, qwen3_5_moe, qwen3_5_moe_text)")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     theta = text.get("rope_theta", rope.get("rope_theta", 10000.0))
     prf = text.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
@@ -210,14 +255,16 @@ def from_hf_config(path: str | Path, num_layers: int | None = None) -> ModelConf
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), qk_norm=True,
             norm_unit_offset=mt != "qwen3_moe",
             attn_output_gate=bool(text.get("attn_output_gate", mt != "qwen3_moe")),
-            num_experts=int(text["num_experts"]), top_k=int(text["num_experts_per_tok"]),
+            num_experts=int(text["num_local_experts"] if "num_local_experts" in text
+                            else text["num_experts"]), top_k=int(text["num_experts_per_tok"]),
             moe_ffn_size=int(text["moe_intermediate_size"]),
             shared_expert_ffn_size=int(text.get("shared_expert_intermediate_size", 0) or 0),
             # Qwen3.5 drops the key and always renormalises.
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.0) or 0.0),
             max_seq_len=int(text.get("max_position_embeddings", 4096)),
-            layer_types=layer_types, source=str(path))
+            layer_types=layer_types, source=str(path),
+            **{ours: int(text[theirs]) for ours, theirs in _LINEAR_KEYS if theirs in text})
     except KeyError as e:
         raise ConfigError("model.hf_config", f"{path}: missing key {e.args[0]!r}") from None
     if num_layers is not None:

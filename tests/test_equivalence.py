@@ -13,7 +13,10 @@ from longmoe.paired.dist_cases import step_case
     dict(ep=1, chunks=1, recompute="none", fsdp=True, linear_ce="naive"),     # FSDP2 alone
     dict(ep=2, chunks=3, recompute="none", fsdp=False, linear_ce="chunked"),  # EP without FSDP
     dict(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked", cpu_offload=True),
-], ids=["all-primitives", "fsdp-only", "ep-no-fsdp", "fsdp-cpu-offload"])
+    # the Qwen3.5 hybrid layout: 3 Gated DeltaNet layers (chunked core) + 1 full attention
+    dict(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked", preset="tiny-hybrid",
+         num_layers=4),
+], ids=["all-primitives", "fsdp-only", "ep-no-fsdp", "fsdp-cpu-offload", "hybrid-gated-deltanet"])
 def test_world2_step_matches_world1(kw):
     seed = random.randrange(2**31)
     res = step_case(2, seed, **kw)

@@ -7,6 +7,11 @@ Per token and layer, forward (a multiply-add is 2 FLOPs):
   router                 2*H*E
   routed experts         top_k * 6*H*F                        (gate+up: 4*H*F, down: 2*F*H)
   shared expert          6*H*Fs + 2*H                         (and its sigmoid gate)
+A linear_attention (Gated DeltaNet) layer replaces the attention terms by
+  projections            2*H*(2*Kd + 2*Vd + 2*Hv) + 2*Vd*H    (qkv, z, a, b in; out)
+  short conv             2*(2*Kd + Vd)*kernel
+  gated delta core       Hv*(6*dk*dv + 2*C*(2*dk + dv) + C*(dk + dv)), C = 64 (chunked form:
+                         state read/correct/write, intra-chunk QK^T, KK^T and A@U, the solve)
 and once per token the LM head 2*H*V. Training is 3x forward (backward = 2x). Full recompute runs
 each block's forward again (+1x the layers, not the head: linear CE is not recomputed); selective
 recompute keeps every matmul/attention output and re-runs only memory-bound ops, which add no
@@ -34,11 +39,35 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool 
     return 4 * cfg.num_heads * cfg.head_dim * ctx
 
 
-def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+GDN_CHUNK = 64
+
+
+def linear_attention_params(cfg: ModelConfig) -> int:
+    H, Hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    Kd, Vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, Hv * dv
+    conv = 2 * Kd + Vd
+    return H * conv + H * Vd + 2 * H * Hv + conv * cfg.linear_conv_kernel + 2 * Hv + dv + Vd * H
+
+
+def linear_attention_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
+    """(projections + conv, gated delta core) of one Gated DeltaNet layer, per token."""
+    H, Hv = cfg.hidden_size, cfg.linear_num_value_heads
+    dk, dv, C = cfg.linear_key_head_dim, cfg.linear_value_head_dim, GDN_CHUNK
+    Kd, Vd = cfg.linear_num_key_heads * dk, Hv * dv
+    proj = 2 * H * (2 * Kd + 2 * Vd + 2 * Hv) + 2 * Vd * H + 2 * (2 * Kd + Vd) * cfg.linear_conv_kernel
+    core = Hv * (6 * dk * dv + 2 * C * (2 * dk + dv) + C * (dk + dv))
+    return proj, core
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True,
+                                  layer_type: str = "full_attention") -> float:
     H, N, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q_out = N * D * (2 if cfg.attn_output_gate else 1)
-    proj = 2 * H * (q_out + 2 * K * D) + 2 * N * D * H
-    core = attention_core_flops_per_token(cfg, seq_len, causal)
+    if layer_type == "linear_attention":
+        proj, core = linear_attention_flops_per_token(cfg)
+    else:
+        q_out = N * D * (2 if cfg.attn_output_gate else 1)
+        proj = 2 * H * (q_out + 2 * K * D) + 2 * N * D * H
+        core = attention_core_flops_per_token(cfg, seq_len, causal)
     router = 2 * H * cfg.num_experts
     routed = cfg.top_k * 6 * H * cfg.moe_ffn_size
     shared = (6 * H * cfg.shared_expert_ffn_size + 2 * H) if cfg.shared_expert_ffn_size else 0
@@ -49,12 +78,17 @@ def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute="none",
                causal: bool = True) -> StepFlops:
     """FLOPs of one fwd+bwd over `tokens` tokens arranged in sequences of `seq_len`;
     `recompute` is one policy or one per layer."""
-    layers = cfg.num_layers * layer_forward_flops_per_token(cfg, seq_len, causal) * tokens
+    per_layer = [layer_forward_flops_per_token(cfg, seq_len, causal, cfg.layer_type(i)) * tokens
+                 for i in range(cfg.num_layers)]
+    layers = sum(per_layer)
     head = 2 * cfg.hidden_size * cfg.vocab_size * tokens
     model = 3 * (layers + head)
     policies = [recompute] * cfg.num_layers if isinstance(recompute, str) else list(recompute)
-    extra = layers * sum(p == "full" for p in policies) / cfg.num_layers
-    core = cfg.num_layers * attention_core_flops_per_token(cfg, seq_len, causal) * tokens
+    extra = sum(f for f, p in zip(per_layer, policies) if p == "full")
+    core = tokens * sum(attention_core_flops_per_token(cfg, seq_len, causal)
+                        if cfg.layer_type(i) == "full_attention"
+                        else linear_attention_flops_per_token(cfg)[1]
+                        for i in range(cfg.num_layers))
     return StepFlops(model=model, hardware=model + extra, forward_layers=layers, forward_head=head,
                      forward_attn_core=core)
 

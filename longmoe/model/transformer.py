@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from longmoe.config import ModelConfig
+from longmoe.model.deltanet import GatedDeltaNet, GatedRMSNorm
 from longmoe.model.layers import Attention, RMSNorm, rope_cos_sin
 from longmoe.model.moe import GroupedExperts, MoE
 from longmoe.ops.linear_ce import linear_logprobs
@@ -19,10 +20,13 @@ from longmoe.ops.linear_ce_fused import linear_policy_loss
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+    """Token mixer (full attention, or Gated DeltaNet for a linear_attention layer) + MoE."""
+
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.attn = Attention(cfg)
+        self.layer_type = cfg.layer_type(index)
+        self.attn = GatedDeltaNet(cfg) if self.layer_type == "linear_attention" else Attention(cfg)
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.moe = MoE(cfg, ep_rank, ep_size)
 
@@ -65,7 +69,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"ep={ep_size} does not divide num_experts={cfg.num_experts}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, ep_rank, ep_size) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, ep_rank, ep_size, i) for i in range(cfg.num_layers))
         self.head = LMHead(cfg)
 
     def moe_layers(self) -> list[MoE]:
@@ -75,6 +79,12 @@ class MoETransformer(nn.Module):
                 policy: dict | None = None):
         """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar, policy loss or
         None); see LMHead.forward for `policy`."""
+        x_BSH, aux = self.hidden_states(input_ids_BS, positions_S)
+        logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy)
+        return logprobs, entropy, aux, loss
+
+    def hidden_states(self, input_ids_BS, positions_S=None):
+        """(last block's output [B, S, H], summed balance loss)."""
         S = input_ids_BS.shape[1]
         if positions_S is None:
             positions_S = torch.arange(S, device=input_ids_BS.device)
@@ -84,8 +94,14 @@ class MoETransformer(nn.Module):
         for layer in self.layers:
             x_BSH, layer_aux = layer(x_BSH, cos, sin)
             aux = aux + layer_aux
-        logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy)
-        return logprobs, entropy, aux, loss
+        return x_BSH, aux
+
+    @torch.no_grad()
+    def logits(self, input_ids_BS, positions_S=None):
+        """Full [B, S, V] logits: for parity checks and small evaluations only (training never
+        materialises them)."""
+        x_BSH, _ = self.hidden_states(input_ids_BS, positions_S)
+        return self.head.norm(x_BSH) @ self.head.weight.T
 
     def init_weights(self, seed: int = 0):
         init_params(self, self.cfg, seed)
@@ -99,11 +115,17 @@ def init_params(root: nn.Module, cfg: ModelConfig, seed: int = 0):
     ("block.") do not change a parameter's identity."""
     for name, p in root.named_parameters():
         owner = root.get_submodule(name.rsplit(".", 1)[0]) if "." in name else root
-        if isinstance(owner, RMSNorm):
+        if isinstance(owner, (RMSNorm, GatedRMSNorm)):
             owner.reset_parameters()
             continue
         key = name.replace("block.", "")
         gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        if isinstance(owner, GatedDeltaNet) and name.rsplit(".", 1)[1] in ("A_log", "dt_bias"):
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log())
+            else:
+                p.fill_(1.0)
+            continue
         if isinstance(owner, GroupedExperts):
             full = (cfg.num_experts,) + tuple(p.shape[1:])
             w = torch.empty(full, device=p.device, dtype=p.dtype).normal_(0, cfg.init_std, generator=gen)

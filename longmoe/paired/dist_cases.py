@@ -142,8 +142,9 @@ def _step_rank(rank, world, backend, run_dict, seed):
 
 
 def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
-                  num_layers=2, seq_len=48, batch_size=4, cp=1, cpu_offload=False) -> dict:
-    return {"model": {"preset": "tiny", "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
+                  num_layers=2, seq_len=48, batch_size=4, cp=1, cpu_offload=False,
+                  preset="tiny") -> dict:
+    return {"model": {"preset": preset, "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
             "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp,
                          "cp": cp, "cpu_offload": cpu_offload},
             "impl": {"linear_ce": linear_ce, "ce_chunk_tokens": 40 if linear_ce == "chunked" else 0},
@@ -153,7 +154,8 @@ def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunke
 def reference_run(cand: dict) -> dict:
     ref = {k: dict(v) for k, v in cand.items()}
     ref["parallel"] = {"ep": 1, "chunks": 1, "recompute": "none", "fsdp": False}
-    ref["impl"] = {"linear_ce": "naive", "grouped_mm": "loop", "policy_loss": "unfused"}
+    ref["impl"] = {"linear_ce": "naive", "grouped_mm": "loop", "policy_loss": "unfused",
+                   "gated_delta": "recurrent"}
     return ref
 
 

@@ -118,6 +118,13 @@ def param_split(cfg: ModelConfig) -> dict[str, int]:
     attn += 2 * hd if cfg.qk_norm else 0
     fs = cfg.shared_expert_ffn_size
     shared = 3 * h * fs + h if fs else 0
+    # Hybrid models: the token mixer's parameters averaged over the layers (Gated DeltaNet and
+    # full attention differ); the activation estimate below still assumes full attention.
+    n_lin = sum(cfg.layer_type(i) == "linear_attention" for i in range(cfg.num_layers))
+    if n_lin:
+        from longmoe.model.flops import linear_attention_params
+        attn = ((cfg.num_layers - n_lin) * attn + n_lin * linear_attention_params(cfg)) \
+            / cfg.num_layers
     layer_dense = attn + shared + h * cfg.num_experts + 2 * h
     layer_experts = cfg.num_experts * 3 * h * cfg.moe_ffn_size
     return {"layer_dense": layer_dense, "layer_experts": layer_experts,

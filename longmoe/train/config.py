@@ -64,6 +64,7 @@ class ParallelConfig:
 class ImplConfig:
     linear_ce: str = "auto"
     grouped_mm: str = "auto"
+    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked | recurrent
     recompute: str = "auto"
     # GRPO loss inside the LM head with gradients in the forward (auto | fused | fused_torch |
     # reference), or "unfused": log-probs from linear_ce, then the loss on them.
@@ -136,6 +137,11 @@ class TrainConfig:
     nproc: int = 1
     device: str = "auto"            # auto | cpu | cuda | rocm (a backend name)
     checkpoint_every: int = 0       # 0: only at the end when a checkpoint dir is given
+    # Hugging Face checkpoint directory to start from (each rank reads only its own slices);
+    # ignored when resuming from a longmoe checkpoint.
+    init_hf: str = ""
+    # Write the trained model here as a Hugging Face checkpoint (published layout) at the end.
+    export_hf: str = ""
 
     def __post_init__(self):
         if self.steps < 0:

@@ -31,6 +31,11 @@ def validate(run: RunConfig, nproc: int):
         # (it matches every op by invocation count) rejects.
         raise UserError("parallel.recompute: selective with ep > 1 and fsdp is not supported yet; "
                         "use full, or fsdp: false")
+    if cp > 1 and "linear_attention" in run.model.layer_types:
+        raise UserError("parallel.cp: context parallel is not supported yet for models with "
+                        "linear_attention (Gated DeltaNet) layers; use cp: 1")
+    if run.train.init_hf:
+        check_hf_init(run)
     if run.data.seq_len % (2 * cp):
         raise UserError(f"parallel.cp: data.seq_len={run.data.seq_len} does not split into "
                         f"2*cp={2 * cp} equal zigzag pieces")
@@ -56,6 +61,24 @@ def validate(run: RunConfig, nproc: int):
         if nproc > count:
             raise UserError(f"--nproc: {nproc} ranks but only {count} {backend.name} device(s)")
     return backend
+
+
+def check_hf_init(run: RunConfig):
+    """The Hugging Face directory exists, its shards are all there and its config describes the
+    model being trained (the per-tensor shape checks run again on each rank before copying)."""
+    from pathlib import Path
+
+    from longmoe.config import from_hf_config
+    from longmoe.model.hf import _Store
+    path = Path(run.train.init_hf)
+    _Store(path)
+    theirs = from_hf_config(path / "config.json")
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "num_experts", "top_k", "moe_ffn_size", "shared_expert_ffn_size", "layer_types"):
+        a, b = getattr(run.model, f), getattr(theirs, f)
+        if a != b and not (f == "layer_types" and not a and all(t == "full_attention" for t in b)):
+            raise UserError(f"train.init_hf: {path / 'config.json'} has {f}={b!r}, the run's "
+                            f"model has {a!r}")
 
 
 def check_resume(run: RunConfig, opts: RunOptions):

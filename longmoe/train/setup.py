@@ -17,6 +17,7 @@ from longmoe.model.transformer import MoETransformer
 from longmoe.ops.recompute import apply_recompute
 from longmoe.parallel.context_parallel import ContextParallel
 from longmoe.backends import active_backend
+from longmoe.model.deltanet import GatedDeltaNet
 from longmoe.tuning import resolve_chunks
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 from longmoe.parallel.fsdp import apply_fsdp
@@ -44,6 +45,9 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     local_tokens = run.data.batch_size * run.data.seq_len // layout.cp
     chunks, model.chunks_source = resolve_chunks(par.chunks, backend, layout.ep, cfg.hidden_size,
                                                  cfg.top_k, par.param_dtype, local_tokens)
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.impl = run.impl.gated_delta
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, chunks,
@@ -56,6 +60,9 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         apply_fsdp(model, layout, torch_dtype(par.param_dtype), torch_dtype(par.reduce_dtype),
                    par.reshard_after_forward, par.cpu_offload,
                    pin_memory=device.type != "cpu")  # pinning needs an accelerator runtime
+    if run.train.init_hf:
+        from longmoe.model.hf import load_hf
+        load_hf(model, run.train.init_hf)
     return model
 
 

@@ -137,6 +137,11 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
             path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim,
                              {"model": model_meta, "layout": saved_by}, backend)
             progress.info(f"checkpoint: {path}")
+    if run.train.export_hf:
+        from longmoe.model.hf import export_hf
+        out = export_hf(model, run.model, run.train.export_hf,
+                        dtype=torch.bfloat16 if device.type != "cpu" else torch.float32)
+        progress.info(f"exported Hugging Face checkpoint: {out}")
     return progress.summary({"world": world, "backend": backend.name})
 
 
