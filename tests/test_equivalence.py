@@ -59,3 +59,13 @@ def test_selective_recompute_step_matches_world1(kw):
     seed = random.randrange(2**31)
     res = step_case(2, seed, recompute="selective", linear_ce="chunked", **kw)
     assert res.ok, (seed, res.failures())
+
+
+@pytest.mark.parametrize("nproc,cp,ep", [(2, 2, 1), (4, 4, 1), (4, 2, 2)])
+def test_hybrid_context_parallel_matches_world1(nproc, cp, ep):
+    # Gated DeltaNet under the zigzag split: conv halos and per-piece state summaries exchanged
+    # over the CP group, composed in sequence order (CP 1 vs 2 vs 4; CP 2 x EP 2 on 4 ranks).
+    seed = random.randrange(2**31)
+    res = step_case(nproc, seed, ep=ep, chunks=2, recompute="full", fsdp=True,
+                    linear_ce="chunked", preset="tiny-hybrid", num_layers=4, cp=cp, batch_size=2)
+    assert res.ok, (seed, res.failures())

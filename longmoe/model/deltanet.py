@@ -58,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(vd, h, bias=False)
         self.impl = "auto"
-        self.cp = None  # context parallel: not supported for linear attention yet
+        self.cp = None  # a parallel.context_parallel.ContextParallel when the sequence is split
 
     def reset_parameters(self, gen: torch.Generator):
         """The non-matrix parameters: A = exp(A_log) uniform in [1, 16], dt_bias = 1."""
@@ -67,20 +67,75 @@ class GatedDeltaNet(nn.Module):
                 1.0, 16.0, generator=gen).log())
             self.dt_bias.fill_(1.0)
 
-    def forward(self, x_BSH, cos=None, sin=None):
-        B, S, _ = x_BSH.shape
-        qkv = self.in_proj_qkv(x_BSH).transpose(1, 2)                     # [B, conv_dim, S]
-        qkv = F.conv1d(F.pad(qkv, (self.kernel - 1, 0)), self.conv1d.weight,
-                       groups=self.conv_dim)
-        qkv = F.silu(qkv).transpose(1, 2)
+    def _conv(self, qkv_BSC, halo_BKC=None):
+        """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros)."""
+        x = qkv_BSC.transpose(1, 2)
+        x = F.pad(x, (self.kernel - 1, 0)) if halo_BKC is None else \
+            torch.cat([halo_BKC.transpose(1, 2), x], -1)
+        return F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
+
+    def _split(self, qkv):
+        B, S, _ = qkv.shape
         kd = self.Hk * self.dk
         q, k, v = qkv.split([kd, kd, self.Hv * self.dv], dim=-1)
-        q = q.reshape(B, S, self.Hk, self.dk)
-        k = k.reshape(B, S, self.Hk, self.dk)
-        v = v.reshape(B, S, self.Hv, self.dv)
+        return (q.reshape(B, S, self.Hk, self.dk), k.reshape(B, S, self.Hk, self.dk),
+                v.reshape(B, S, self.Hv, self.dv))
+
+    def forward(self, x_BSH, cos=None, sin=None):
+        B, S, _ = x_BSH.shape
         beta = torch.sigmoid(self.in_proj_b(x_BSH))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSH).float() + self.dt_bias)
-        o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl)
+        qkv = self.in_proj_qkv(x_BSH)
+        if self.cp is not None:
+            o = self._forward_cp(qkv, g, beta)
+        else:
+            q, k, v = self._split(self._conv(qkv))
+            o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl)
         z = self.in_proj_z(x_BSH).reshape(B, S, self.Hv, self.dv)
         o = self.norm(o.to(x_BSH.dtype), z)
         return self.out_proj(o.reshape(B, S, -1))
+
+    def _forward_cp(self, qkv_BsC, g_BsV, beta_BsV):
+        """Context parallel over the zigzag split: this rank holds sequence pieces j0 < j1.
+
+        1. conv halo: every piece's last K-1 inputs are gathered; piece j's conv reads piece
+           j-1's (zeros for the first piece).
+        2. summaries: each local piece runs the rule from a zero state with extra value columns
+           started at the identity, which yields its affine state map S_end = A S_start + B in
+           one pass (columns of the state evolve independently).
+        3. the [A | B] of all 2*cp pieces are gathered and composed in sequence order, giving
+           each local piece its true initial state, from which it is recomputed.
+        All steps are differentiable (the gathers reduce-scatter their gradients)."""
+        cp, K = self.cp, self.kernel - 1
+        B, s, _ = qkv_BsC.shape
+        P = s // 2
+        if P < K:
+            raise ValueError(f"context parallel pieces of {P} tokens are shorter than the "
+                             f"conv's {K}-token history")
+        pieces = [slice(0, P), slice(P, s)]
+        tails = torch.stack([qkv_BsC[:, sl][:, -K:] for sl in pieces])     # [2, B, K, C]
+        all_tails = cp.gather_pieces(tails)                                # [2cp, B, K, C]
+        ins = []
+        for sl, j in zip(pieces, cp.local_pieces()):
+            halo = all_tails[j - 1] if j > 0 else None
+            q, k, v = self._split(self._conv(qkv_BsC[:, sl], halo))
+            ins.append((q, k, v, g_BsV[:, sl], beta_BsV[:, sl]))
+        dk, dv = self.dk, self.dv
+        eye = torch.eye(dk, device=qkv_BsC.device).expand(B, self.Hv, dk, dk)
+        init = torch.cat([eye, eye.new_zeros(B, self.Hv, dk, dv)], -1)    # [I | 0]
+        summaries = []
+        for q, k, v, g, beta in ins:
+            v_ext = torch.cat([v.new_zeros(v.shape[:-1] + (dk,)), v], -1)
+            _, S = gated_delta_rule(q, k, v_ext, g, beta, initial_state=init, impl=self.impl)
+            summaries.append(S)                                            # [A | B]
+        every = cp.gather_pieces(torch.stack(summaries))                   # [2cp, B, Hv, dk, dk+dv]
+        starts, state = {}, None
+        for j in range(max(cp.local_pieces()) + 1):
+            starts[j] = state
+            A, Bm = every[j][..., :dk], every[j][..., dk:]
+            state = Bm if state is None else A @ state + Bm
+        outs = []
+        for (q, k, v, g, beta), j in zip(ins, cp.local_pieces()):
+            o, _ = gated_delta_rule(q, k, v, g, beta, initial_state=starts[j], impl=self.impl)
+            outs.append(o)
+        return torch.cat(outs, 1)

@@ -71,6 +71,16 @@ class ContextParallel:
         k_sBKD = _GatherSeq.apply(k_BsKD.transpose(0, 1), self.group)
         return k_sBKD[self.to_global.to(k_sBKD.device)].transpose(0, 1)
 
+    def gather_pieces(self, t_2X: torch.Tensor) -> torch.Tensor:
+        """[2, ...] (this rank's two pieces) -> [2*cp, ...] for every piece in sequence order.
+        Differentiable: each piece's gradient is summed over the ranks that read it."""
+        g = _GatherSeq.apply(t_2X.contiguous(), self.group).view((self.cp, 2) + tuple(t_2X.shape[1:]))
+        order = [g[j, 0] if j < self.cp else g[2 * self.cp - 1 - j, 1] for j in range(2 * self.cp)]
+        return torch.stack(order)
+
+    def local_pieces(self) -> tuple[int, int]:
+        return self.rank, 2 * self.cp - 1 - self.rank
+
     def attention(self, q_BNsD, k_BKSD, v_BKSD, enable_gqa: bool) -> torch.Tensor:
         """Causal attention of the two local query pieces against the global keys/values."""
         P = self.seq_len // (2 * self.cp)

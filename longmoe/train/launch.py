@@ -31,9 +31,11 @@ def validate(run: RunConfig, nproc: int):
         # (it matches every op by invocation count) rejects.
         raise UserError("parallel.recompute: selective with ep > 1 and fsdp is not supported yet; "
                         "use full, or fsdp: false")
-    if cp > 1 and "linear_attention" in run.model.layer_types:
-        raise UserError("parallel.cp: context parallel is not supported yet for models with "
-                        "linear_attention (Gated DeltaNet) layers; use cp: 1")
+    if cp > 1 and "linear_attention" in run.model.layer_types and \
+            run.data.seq_len // (2 * cp) < run.model.linear_conv_kernel - 1:
+        raise UserError(f"parallel.cp: pieces of {run.data.seq_len // (2 * cp)} tokens are "
+                        f"shorter than the Gated DeltaNet conv history "
+                        f"({run.model.linear_conv_kernel - 1})")
     if run.train.init_hf:
         check_hf_init(run)
     if run.data.seq_len % (2 * cp):
