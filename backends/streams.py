@@ -17,6 +17,16 @@ class HostStreams:
 
     overlaps = False
 
+    def __init__(self):
+        # Marks of comm work some later step must wait for before reading its results (the
+        # chunked EP pipeline leaves its last combine in flight for the shared expert).
+        self.pending: list = []
+
+    def flush_pending(self) -> None:
+        for mark in self.pending:
+            self.compute_waits(mark)
+        self.pending.clear()
+
     def comm(self):
         return contextlib.nullcontext()
 
@@ -42,6 +52,7 @@ class DeviceStreams(HostStreams):
     overlaps = True
 
     def __init__(self, priority: int = 0):
+        super().__init__()
         self.stream = torch.cuda.Stream(priority=priority)
 
     def comm(self):

@@ -93,9 +93,9 @@ class MoE(nn.Module):
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         idx_TK, w_TK, probs_TE = self.router(x_TH)
         aux = self._balance_loss(idx_TK, probs_TE)
-        y_TH = self.dispatcher(x_TH, idx_TK, w_TK, self.experts)
-        if self.shared is not None:
-            y_TH = y_TH + self.shared(x_TH)
+        # The shared expert runs under the routed experts' last combine (see moe_pipeline.py).
+        fill = (lambda: self.shared(x_TH)) if self.shared is not None else None
+        y_TH = self.dispatcher(x_TH, idx_TK, w_TK, self.experts, fill)
         return y_TH.view_as(x_BSH), aux
 
     def _balance_loss(self, idx_TK, probs_TE):

@@ -144,7 +144,9 @@ class ExpertDispatcher:
         self.num_experts, self.group, self.chunks, self.ep_size = num_experts, group, chunks, S
         self.transport, self.streams, self.check_routes = transport, streams, check_routes
 
-    def __call__(self, x_TH, idx_TK, w_TK, experts) -> torch.Tensor:
+    def __call__(self, x_TH, idx_TK, w_TK, experts, fill=None) -> torch.Tensor:
+        """Routed expert output for x_TH, plus `fill()` (e.g. the shared expert) when given,
+        which with expert parallelism runs while the last chunk's combine is in flight."""
         if self.check_routes:
             check_expert_index(idx_TK, self.num_experts)
         T, K = idx_TK.shape
@@ -154,9 +156,11 @@ class ExpertDispatcher:
             tok_A = order_A // K
             y_AH = experts(x_TH[tok_A], rows)
             w_A = w_TK.reshape(-1)[order_A].to(y_AH.dtype)
-            return torch.zeros_like(x_TH).index_add(0, tok_A, y_AH * w_A[:, None])
+            y = torch.zeros_like(x_TH).index_add(0, tok_A, y_AH * w_A[:, None])
+            return y if fill is None else y + fill()
         from longmoe.parallel.moe_pipeline import ChunkPipeline
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group)
         pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams)
         w_A = w_TK.reshape(-1)[plan.order_A]
-        return experts(x_TH, pipe, w_A)
+        y_partial = experts(x_TH, pipe, w_A)
+        return pipe.finish(y_partial, fill() if fill is not None else torch.zeros_like(y_partial))

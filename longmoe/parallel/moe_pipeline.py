@@ -51,7 +51,24 @@ class ChunkPipeline:
         self.transport, self.streams = transport, streams
 
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
+        """The routed output without the last chunk's combine, which is left in flight: call
+        `finish` with the work that should run under it (the shared expert)."""
+        self.last = None        # (mark, tokens, combined rows, weights) of the pending chunk
+        self.bwd_started = None  # gradient dispatches issued early by _FinishCombine.backward
+        self.w_A = w_A.detach()
         return _PipelinedExperts.apply(x_TH, w_A, w_in, w_out, self, impl)
+
+    def finish(self, y_partial, y_fill):
+        """y_partial + y_fill + the pending last chunk, once its combine has landed."""
+        return _FinishCombine.apply(y_partial, y_fill, self)
+
+    def dispatch_grad(self, g_TH, c: int, metas, recv, marks):
+        """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks."""
+        a0, a1 = self.arange(c)
+        g_rows = g_TH[metas[c][0]]
+        recv[c] = g_TH.new_empty((sum(self.plan.recv[c]), g_TH.shape[1]))
+        marks[c] = self.a2a(recv[c], g_rows * self.w_A[a0:a1, None].to(g_rows.dtype), c,
+                            reverse=False)
 
     # --- per-chunk index metadata (device tensors; no host sync) --------------------------
     def arange(self, c: int) -> tuple[int, int]:
@@ -123,7 +140,9 @@ class _PipelinedExperts(torch.autograd.Function):
             if c:
                 accumulate(c - 1)
             saved += [xg, h]
-        accumulate(C - 1)
+        a0, a1 = pipe.arange(C - 1)
+        pipe.last = (c_mark[C - 1], metas[C - 1][0], y_A[a0:a1], w_A[a0:a1])
+        st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_A, w_in, w_out, y_A, *saved)
         ctx.pipe, ctx.impl = pipe, impl
         return y_TH
@@ -133,9 +152,11 @@ class _PipelinedExperts(torch.autograd.Function):
         w_A, w_in, w_out, y_A, *saved = ctx.saved_tensors
         pipe, impl = ctx.pipe, ctx.impl
         plan, st = pipe.plan, pipe.streams
+        st.flush_pending()  # a recomputed forward may have left its last combine in flight
         C, H = len(plan.bounds), g_TH.shape[1]
-        g_TH = g_TH.contiguous()
-        metas = [pipe.meta(c) for c in range(C)]
+        started, pipe.bwd_started = pipe.bwd_started, None
+        g_TH = started[0] if started else g_TH.contiguous()
+        metas = started[1] if started else [pipe.meta(c) for c in range(C)]
         gx_TH = torch.zeros_like(g_TH)
         g_wA = torch.empty_like(w_A)
         acc = torch.float32 if w_in.element_size() < 4 and C > 1 else w_in.dtype
@@ -143,15 +164,14 @@ class _PipelinedExperts(torch.autograd.Function):
         dw_out = torch.zeros(w_out.shape, dtype=acc, device=w_out.device)
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
         gx_A = g_TH.new_empty((plan.order_A.numel(), H))
-        recv, d_mark, c_mark = [None] * C, [None] * C, [None] * C
+        recv, d_mark = (started[2], started[3]) if started else ([None] * C, [None] * C)
+        c_mark = [None] * C
+        for c in range(C):  # router-weight gradient: <g, combined expert output> per row
+            a0, a1 = pipe.arange(c)
+            g_wA[a0:a1] = (g_TH[metas[c][0]].float() * y_A[a0:a1].float()).sum(-1).to(g_wA.dtype)
 
         def dispatch(c):
-            a0, a1 = pipe.arange(c)
-            g_rows = g_TH[metas[c][0]]
-            g_wA[a0:a1] = (g_rows.float() * y_A[a0:a1].float()).sum(-1).to(g_wA.dtype)
-            recv[c] = g_TH.new_empty((sum(plan.recv[c]), H))
-            d_mark[c] = pipe.a2a(recv[c], g_rows * w_A[a0:a1, None].to(g_rows.dtype), c,
-                                 reverse=False)
+            pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
@@ -159,7 +179,8 @@ class _PipelinedExperts(torch.autograd.Function):
             gx_TH.index_add_(0, metas[c][0], gx_A[a0:a1])
 
         for c in range(min(2, C)):
-            dispatch(c)
+            if d_mark[c] is None and recv[c] is None:
+                dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
             gy = recv[c][metas[c][1]]
@@ -183,3 +204,32 @@ class _PipelinedExperts(torch.autograd.Function):
                 accumulate(c - 1)
         accumulate(C - 1)
         return gx_TH, g_wA, dw_in.to(w_in.dtype), dw_out.to(w_out.dtype), None, None
+
+
+class _FinishCombine(torch.autograd.Function):
+    """Completes the routed output after work that ran under the last combine (forward), and
+    starts the first gradient dispatches so the same work's backward runs under them."""
+
+    @staticmethod
+    def forward(ctx, y_partial, y_fill, pipe: ChunkPipeline):
+        mark, tok, y_rows, w_rows = pipe.last
+        pipe.last = None
+        st = pipe.streams
+        st.compute_waits(mark)
+        st.pending.remove(mark) if mark in st.pending else None
+        out = y_partial + y_fill
+        out.index_add_(0, tok, y_rows * w_rows[:, None].to(y_rows.dtype))
+        ctx.pipe = pipe
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        pipe = ctx.pipe
+        C = len(pipe.plan.bounds)
+        g = g.contiguous()
+        metas = [pipe.meta(c) for c in range(C)]
+        recv, marks = [None] * C, [None] * C
+        for c in range(min(2, C)):
+            pipe.dispatch_grad(g, c, metas, recv, marks)
+        pipe.bwd_started = (g, metas, recv, marks)
+        return g, g, None
