@@ -53,8 +53,10 @@ def test_context_parallel_step_matches_world1(nproc, kw):
     assert res.ok, (seed, res.failures())
 
 
-@pytest.mark.parametrize("kw", [dict(ep=1, chunks=1, fsdp=True), dict(ep=2, chunks=2, fsdp=False)],
-                         ids=["fsdp", "ep-no-fsdp"])
+@pytest.mark.parametrize("kw", [dict(ep=1, chunks=1, fsdp=True), dict(ep=2, chunks=2, fsdp=False),
+                                dict(ep=2, chunks=2, fsdp=True),
+                                dict(ep=2, chunks=2, fsdp=True, preset="tiny-hybrid", num_layers=4)],
+                         ids=["fsdp", "ep-no-fsdp", "ep-fsdp", "ep-fsdp-hybrid"])
 def test_selective_recompute_step_matches_world1(kw):
     seed = random.randrange(2**31)
     res = step_case(2, seed, recompute="selective", linear_ce="chunked", **kw)

@@ -15,6 +15,7 @@ Implementations (registry "recompute"):
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -41,6 +42,43 @@ def _selective_policy(saved, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _profiler_ops() -> set:
+    """Profiler markers (record_function): FSDP2's hooks emit a different number of them in the
+    recompute than in the forward (no all-gather to wait for the second time), and selective
+    checkpointing matches every op by invocation count. They compute nothing: run them through."""
+    prof = getattr(torch.ops, "profiler", None)
+    out = set()
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        op = getattr(prof, name, None) if prof is not None else None
+        if op is not None:
+            out.update(getattr(op, o) for o in op.overloads())
+    return out
+
+
+def _selective_contexts(policy_fn):
+    """torch's selective-checkpoint modes, with profiler markers passed through untracked."""
+    try:
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    except ImportError:  # a torch without these classes: its own contexts (markers tracked)
+        return create_selective_checkpoint_contexts(policy_fn)
+    skip = _profiler_ops()
+
+    class Caching(_CachingTorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in skip:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    class Cached(_CachedTorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in skip:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    storage: dict = collections.defaultdict(dict)
+    return Caching(policy_fn, storage), Cached(policy_fn, storage)
+
+
 class Recompute(nn.Module):
     """Wraps one block; its forward re-runs (all of it, or the cheap ops) in backward. Wrap
     before fully_shard."""
@@ -52,7 +90,7 @@ class Recompute(nn.Module):
 
     def forward(self, *args, **kw):
         if self.selective:
-            ctx = functools.partial(create_selective_checkpoint_contexts,
+            ctx = functools.partial(_selective_contexts,
                                     functools.partial(_selective_policy, _saved_ops()))
             return checkpoint(self.block, *args, use_reentrant=False, context_fn=ctx, **kw)
         return checkpoint(self.block, *args, use_reentrant=False, **kw)

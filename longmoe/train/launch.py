@@ -23,14 +23,6 @@ def validate(run: RunConfig, nproc: int):
     validate_layout(nproc, run.parallel.ep, run.model.num_experts, run.parallel.cp,
                     run.parallel.pp, run.parallel.tp)
     cp = run.parallel.cp
-    rc = run.parallel.recompute
-    if ("selective" in ((rc,) if isinstance(rc, str) else rc) and run.parallel.ep > 1
-            and run.parallel.fsdp):
-        # FSDP's expert unit sits inside the block; its hooks' profiler ops run a different
-        # number of times in the recompute than in the forward, which selective checkpointing
-        # (it matches every op by invocation count) rejects.
-        raise UserError("parallel.recompute: selective with ep > 1 and fsdp is not supported yet; "
-                        "use full, or fsdp: false")
     if cp > 1 and "linear_attention" in run.model.layer_types and \
             run.data.seq_len // (2 * cp) < run.model.linear_conv_kernel - 1:
         raise UserError(f"parallel.cp: pieces of {run.data.seq_len // (2 * cp)} tokens are "
