@@ -131,6 +131,7 @@ GOOD = {
     "doctor": ["doctor", "--json"],
     "paired_linear_ce": ["paired", "linear_ce", "--json"],
     "paired_recompute": ["paired", "recompute", "--json"],
+    "paired_gated_delta": ["paired", "gated_delta", "--json"],
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
                   "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",
@@ -197,7 +198,7 @@ def test_doctor_json(quick):
         assert report["dist_backend"] == "gloo"
 
 
-@pytest.mark.parametrize("primitive", ["linear_ce", "recompute"])
+@pytest.mark.parametrize("primitive", ["linear_ce", "recompute", "gated_delta"])
 def test_paired_json_ok(quick, primitive):
     p = quick[f"paired_{primitive}"].result()
     assert p.returncode == 0, p.stdout + p.stderr

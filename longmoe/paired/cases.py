@@ -127,6 +127,38 @@ def grouped_mm_case(impl="auto", seed=0, sizes=(5, 0, 17, 1, 9), K=32, N=48,
     return res
 
 
+def gated_delta_case(impl="auto", seed=0, B=2, T=77, Hk=2, Hv=4, dk=16, dv=12, decay=20.0,
+                     device=None) -> PairedResult:
+    """Gated delta rule against its token recurrence: output, final state and the gradients of
+    q, k, v, g, beta and the initial state (strong decay, T not a multiple of the chunk)."""
+    from longmoe.ops.gated_delta import GATED_DELTA, gated_delta_rule
+    backend = active_backend()
+    device = device or backend.device(0)
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    inputs = [r(B, T, Hk, dk), r(B, T, Hk, dk), r(B, T, Hv, dv),
+              (-torch.rand(B, T, Hv, generator=g) * decay).to(device),
+              torch.rand(B, T, Hv, generator=g).to(device), r(B, Hv, dk, dv)]
+    co, cs = r(B, T, Hv, dv), r(B, Hv, dk, dv)
+    name = GATED_DELTA.select(impl, *inputs[:5], inputs[5]).name
+
+    def run(which):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o, S = gated_delta_rule(*leaves[:5], initial_state=leaves[5], impl=which)
+        grads = torch.autograd.grad((o * co).sum() + (S * cs).sum(), leaves)
+        return (o, S) + grads
+
+    res = PairedResult("gated_delta", name, "recurrent", TOLERANCE[torch.float32],
+                       info={"B": B, "T": T, "Hk": Hk, "Hv": Hv, "dk": dk, "dv": dv,
+                             "decay": decay})
+    names = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dS0")
+    for k, a, b in zip(names, run(name), run("recurrent")):
+        res.add(k, a, b)
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("recurrent"), backend, 3)
+    return res
+
+
 def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="full") -> PairedResult:
     """A stack of tiny-preset blocks, recompute (`policy`) vs stored activations: identical math,
     so the tolerance is fp32 round-off; the memory column shows what recompute frees."""
