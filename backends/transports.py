@@ -52,6 +52,9 @@ class SymmetricMemoryA2A:
 
     def __init__(self):
         self._bufs: dict[str, tuple[torch.Tensor, object, int]] = {}
+        # Outgrown buffers stay alive: copies queued on the stream may still read them, and a
+        # symmetric allocation is not stream-ordered like the caching allocator's blocks.
+        self._retired: list = []
 
     def _buffer(self, group, nbytes: int, device):
         from torch.distributed import _symmetric_memory as symm
@@ -63,6 +66,8 @@ class SymmetricMemoryA2A:
             if hasattr(symm, "enable_symm_mem_for_group"):
                 symm.enable_symm_mem_for_group(key)
             buf = symm.empty(cap, dtype=torch.uint8, device=device)
+            if cur is not None:
+                self._retired.append(cur)
             cur = (buf, symm.rendezvous(buf, group), cap)
             self._bufs[key] = cur
         return cur
