@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_doctor)
 
     q = sub.add_parser("paired", help="candidate vs reference: loss, grads, peak memory, time")
-    q.add_argument("primitive", help="linear_ce | policy_loss | grouped_mm | gated_delta | recompute | ep | "
-                                        "fsdp | step")
+    q.add_argument("primitive", help="linear_ce | policy_loss | grouped_mm | gated_delta | moe_megatron | "
+                                        "recompute | ep | fsdp | step")
     q.add_argument("--impl", default="auto", help="candidate implementation (default: auto)")
     q.add_argument("--nproc", type=int, default=2, help="ranks for distributed primitives")
     q.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")

@@ -197,3 +197,65 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="fu
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run("full"), backend, 3)
     _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("none"), backend, 3)
     return res
+
+
+def megatron_moe_case(seed=0, T=53, num_experts=8, top_k=2, dtype=torch.float64) -> PairedResult:
+    """longmoe's MoE layer (one process) against one built from megatron-core's MoE utilities, the
+    seeds' baseline: softmax top-k routing (`topk_routing_with_score_function`), token
+    permutation by routing map (`permute` / `unpermute`), the switch balance loss
+    (`switch_load_balancing_loss_func`), the same expert and shared-expert weights. Outputs, the
+    balance loss and every gradient. megatron-core is imported here only."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.moe import moe_utils as mu
+
+    from longmoe.config import get_preset
+    from longmoe.model.moe import MoE
+    from longmoe.model.transformer import init_params
+    cfg = get_preset("tiny").replace(num_experts=num_experts, top_k=top_k, norm_topk_prob=True,
+                                     router_aux_loss_coef=1e-2)
+    moe = MoE(cfg)
+    init_params(moe, cfg, seed)
+    moe.to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, T, cfg.hidden_size, generator=g, dtype=dtype)
+    c = torch.randn(1, T, cfg.hidden_size, generator=g, dtype=dtype)
+
+    def ours():
+        xx = x.clone().requires_grad_()
+        y, aux = moe(xx)
+        return xx, y, aux
+
+    def megatron():
+        xx = x.clone().requires_grad_()
+        h = xx.view(T, -1)
+        logits = F.linear(h, moe.router.weight)
+        # use_pre_softmax=False: top-k of the logits, softmax over those k = renormalised top-k
+        probs, routing_map = mu.topk_routing_with_score_function(logits, top_k, use_pre_softmax=False)
+        permuted, _, sorted_idx = mu.permute(h, routing_map)
+        per_expert = routing_map.sum(0).tolist()
+        outs, s = [], 0
+        for e, n in enumerate(per_expert):
+            a = permuted[s:s + n] @ moe.experts.w_in[e]
+            gate, up = a.chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ moe.experts.w_out[e])
+            s += n
+        y = mu.unpermute(torch.cat(outs), sorted_idx, h.shape, probs=probs, routing_map=routing_map)
+        y = y + moe.shared(h)
+        scores = torch.softmax(logits, dim=-1)
+        aux = mu.switch_load_balancing_loss_func(scores, routing_map.sum(0), T, top_k, num_experts,
+                                                 cfg.router_aux_loss_coef)
+        return xx, y.view(1, T, -1), aux
+
+    res = PairedResult("moe_layer", "longmoe MoE", "megatron-core moe_utils", TOLERANCE[torch.float32],
+                       info={"T": T, "experts": num_experts, "top_k": top_k, "dtype": str(dtype)})
+    grads = {}
+    for name, fn in (("ours", ours), ("megatron", megatron)):
+        moe.zero_grad(set_to_none=True)
+        xx, y, aux = fn()
+        ((y * c).sum() + aux).backward()
+        grads[name] = {"y": y.detach(), "aux": aux.detach(), "dX": xx.grad,
+                       **{n: p.grad.clone() for n, p in moe.named_parameters()
+                          if p.grad is not None}}
+    for k, ref in grads["megatron"].items():
+        res.add(k, grads["ours"][k], ref)
+    return res
