@@ -46,9 +46,11 @@ def swiglu_backward(h_MF2: torch.Tensor, ga_MF: torch.Tensor):
 class ChunkPipeline:
     """One layer's route plan plus how to move rows (transport) and order work (streams)."""
 
-    def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams):
+    def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams,
+                 keep_outputs: bool = False):
         self.plan, self.top_k, self.group = plan, top_k, group
         self.transport, self.streams = transport, streams
+        self.keep_outputs = keep_outputs
 
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
         """The routed output without the last chunk's combine, which is left in flight: call
@@ -113,7 +115,11 @@ class _PipelinedExperts(torch.autograd.Function):
         plan, st = pipe.plan, pipe.streams
         C, H = len(plan.bounds), x_TH.shape[1]
         metas = [pipe.meta(c) for c in range(C)]
-        y_A = x_TH.new_empty((plan.order_A.numel(), H))   # combined expert outputs
+        keep = pipe.keep_outputs
+        # Combined expert outputs: one buffer kept for the backward, or one per chunk, dropped
+        # once accumulated (the backward then rebuilds what it needs on the expert side).
+        y_A = x_TH.new_empty((plan.order_A.numel(), H)) if keep else x_TH.new_empty((0, H))
+        comb = [None] * C
         y_TH = torch.zeros_like(x_TH)
         recv, d_mark, c_mark, saved = [None] * C, [None] * C, [None] * C, []
 
@@ -124,7 +130,8 @@ class _PipelinedExperts(torch.autograd.Function):
         def accumulate(c):
             st.compute_waits(c_mark[c])
             a0, a1 = pipe.arange(c)
-            y_TH.index_add_(0, metas[c][0], y_A[a0:a1] * w_A[a0:a1, None].to(y_A.dtype))
+            y_TH.index_add_(0, metas[c][0], comb[c] * w_A[a0:a1, None].to(comb[c].dtype))
+            comb[c] = None
 
         for c in range(min(2, C)):
             dispatch(c)
@@ -134,17 +141,18 @@ class _PipelinedExperts(torch.autograd.Function):
             recv[c] = None
             h, yg = _experts_fwd(xg, w_in, w_out, plan.expert_rows[c], impl)
             a0, a1 = pipe.arange(c)
-            c_mark[c] = pipe.a2a(y_A[a0:a1], yg[metas[c][2]], c, reverse=True)
+            comb[c] = y_A[a0:a1] if keep else x_TH.new_empty((a1 - a0, H))
+            c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
             if c:
                 accumulate(c - 1)
             saved += [xg, h]
         a0, a1 = pipe.arange(C - 1)
-        pipe.last = (c_mark[C - 1], metas[C - 1][0], y_A[a0:a1], w_A[a0:a1])
+        pipe.last = (c_mark[C - 1], metas[C - 1][0], comb[C - 1], w_A[a0:a1])
         st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_A, w_in, w_out, y_A, *saved)
-        ctx.pipe, ctx.impl = pipe, impl
+        ctx.pipe, ctx.impl, ctx.keep = pipe, impl, keep
         return y_TH
 
     @staticmethod
@@ -158,7 +166,10 @@ class _PipelinedExperts(torch.autograd.Function):
         g_TH = started[0] if started else g_TH.contiguous()
         metas = started[1] if started else [pipe.meta(c) for c in range(C)]
         gx_TH = torch.zeros_like(g_TH)
+        keep = ctx.keep
         g_wA = torch.empty_like(w_A)
+        gw_A = None if keep else torch.empty(w_A.shape, dtype=torch.float32, device=w_A.device)
+        gw_mark = None
         acc = torch.float32 if w_in.element_size() < 4 and C > 1 else w_in.dtype
         dw_in = torch.zeros(w_in.shape, dtype=acc, device=w_in.device)
         dw_out = torch.zeros(w_out.shape, dtype=acc, device=w_out.device)
@@ -166,7 +177,7 @@ class _PipelinedExperts(torch.autograd.Function):
         gx_A = g_TH.new_empty((plan.order_A.numel(), H))
         recv, d_mark = (started[2], started[3]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
-        for c in range(C):  # router-weight gradient: <g, combined expert output> per row
+        for c in range(C if keep else 0):  # router-weight gradient: <g, combined output>
             a0, a1 = pipe.arange(c)
             g_wA[a0:a1] = (g_TH[metas[c][0]].float() * y_A[a0:a1].float()).sum(-1).to(g_wA.dtype)
 
@@ -195,6 +206,12 @@ class _PipelinedExperts(torch.autograd.Function):
             else:
                 gxg = gy
             c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
+            if not keep:
+                # <gy, expert output> on the expert side (gy = w * g, so this is w * <g, y>),
+                # from the output recomputed with one GEMM, sent back beside dX.
+                gw_e = ((gy.float() * grouped_mm(a, w_out, rows, impl=impl).float()).sum(-1)
+                        if gy.shape[0] else gy.new_zeros((0,), dtype=torch.float32))
+                gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
             if gy.shape[0]:                                            # ... wgrad in the gap
@@ -203,6 +220,12 @@ class _PipelinedExperts(torch.autograd.Function):
             if c:
                 accumulate(c - 1)
         accumulate(C - 1)
+        if not keep:
+            st.compute_waits(gw_mark)
+            w = w_A.float()
+            # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
+            # there, so any finite value is exact: 0.
+            g_wA = torch.where(w > 0, gw_A / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
         return gx_TH, g_wA, dw_in.to(w_in.dtype), dw_out.to(w_out.dtype), None, None
 
 

@@ -58,8 +58,8 @@ POINTS = [
     Point("one MoE layer, 64K, optimized", "slides p.20, read off the chart: ~9.6 GB", 9.6 * GB,
           moe_layer=(65536, 2, 8), within_10=False,
           note="our chunked pipeline overlaps chunks but every chunk's saved tensors (received "
-               "rows, first GEMM output) and the combined outputs live until the layer's "
-               "backward (docs/chunked_ep.md); the seeds' optimized layer keeps less per chunk"),
+               "rows, first GEMM output) live until the layer's backward (docs/chunked_ep.md); "
+               "the seeds' optimized layer keeps less per chunk"),
     Point("longmoe gpu_smoke, 2 x H200", "our H200 run, approximate: ~23 GiB", 23 * GiB,
           Layout(2, 1, 1, 2, 1), Workload(4096, micro_batch=2, ep_chunks=2), num_layers=2,
           assumptions=Assumptions(moe_imbalance=1.0),
