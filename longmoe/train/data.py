@@ -77,6 +77,25 @@ def _pack(samples: list[dict], seq_len: int) -> Batch:
     return Batch(ids, labels, adv, old)
 
 
+def rule_walk(rule, start, follow, noise):
+    """The responses' hidden-rule walk, without a loop over positions: token j is noise[j] where
+    follow[j] is False, else rule applied to token j-1. Equivalently rule^d(anchor), with anchor
+    the last noise token at or before j (or `start`) and d the follow steps since; rule^d comes
+    from binary powers of the permutation (log2 R gathers instead of R sequential steps)."""
+    N, R = follow.shape
+    pos = torch.arange(R).expand(N, R)
+    last = torch.cummax(torch.where(follow, -1, pos), dim=1).values    # last noise position
+    val = torch.where(last >= 0, noise.gather(1, last.clamp(min=0)), start[:, None])
+    d = torch.where(last >= 0, pos - last, pos + 1)
+    power = rule
+    for bit in range(max(1, int(R).bit_length())):
+        take = (d >> bit) & 1 == 1
+        if take.any():
+            val = torch.where(take, power[val], val)
+        power = power[power]
+    return val
+
+
 class SyntheticSource:
     def __init__(self, cfg: DataConfig, vocab_size: int, seed: int):
         self.cfg, self.vocab, self.seed = cfg, vocab_size, seed
@@ -101,12 +120,7 @@ class SyntheticSource:
             follow.append(torch.rand(G, R, generator=g) < qg[:, None])
             noise.append(torch.randint(0, V, (G, R), generator=g))
         prompts, follow, noise = torch.cat(prompts), torch.cat(follow), torch.cat(noise)
-        N = prompts.shape[0]
-        resp = torch.empty(N, R, dtype=torch.long)
-        prev = prompts[:, -1]
-        for j in range(R):  # sequential in j, vectorised over the responses
-            prev = torch.where(follow[:, j], self.rule[prev], noise[:, j])
-            resp[:, j] = prev
+        resp = rule_walk(self.rule, prompts[:, -1], follow, noise)
         # Equal lengths make a group's token-weighted advantages sum to zero, so the surrogate
         # starts at exactly 0 (ratio 1) and every later fall is learning, not length noise.
         rg = follow.float().mean(1).view(-1, G)
