@@ -178,3 +178,22 @@ def test_bad_checkpoints_name_file_and_tensor(tmp_path):
     assert len(index["weight_map"]) > 0
     with pytest.raises(UserError, match="is not a directory"):
         load_hf(MoETransformer(cfg), tmp_path / "nope")
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("decay", [2.0, 40.0])
+def test_fla_gated_delta_on_gpu_matches_recurrence(decay):
+    # The fast path where it exists (flash-linear-attention on a GPU): outputs, state, gradients.
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    seed = random.randrange(2**31)
+    q, k, v, g, beta, S0 = (t.cuda() for t in _gdn_inputs(seed, 2, 200, 2, 4, 64, 64,
+                                                           torch.float32, decay))
+    outs = {}
+    for impl in ("recurrent", "fla"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        o, S = gated_delta_rule(*leaves, S0, impl=impl)
+        grads = torch.autograd.grad(o.float().sum() + S.float().sum(), leaves)
+        outs[impl] = (o.float(), S.float()) + grads
+    for a, b, n in zip(outs["fla"], outs["recurrent"], "o S dq dk dv dg dbeta".split()):
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < 2e-3, (n, err, seed)
