@@ -109,6 +109,21 @@ def _cmd_bench_moe(a) -> int:
     return 0
 
 
+def _cmd_bench_path(a) -> int:
+    from longmoe.bench.train_path import run_path, write_report
+    from longmoe.train.config import apply_overrides
+    extra = {}
+    for item in a.set or []:
+        apply_overrides({}, [item])  # same syntax check as train's --set
+        k, v = item.split("=", 1)
+        extra[k.strip()] = v
+    stages = a.stages.split(",") if a.stages else None
+    report = run_path(a.config, a.nproc, _ints(a.tokens, "--tokens"), a.steps, extra, stages,
+                      a.timeout)
+    write_report(report, a.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longmoe", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -167,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--out", help="write the JSON report here")
     bm.add_argument("--smoke", action="store_true", help="tiny layer on CPU ranks: check it runs")
     bm.set_defaults(fn=_cmd_bench_moe)
+
+    bp = bsub.add_parser("train-path", help="the seeds' optimisation path as training runs: "
+                                            "baseline, +linear CE, +FSDP2, +chunked EP")
+    bp.add_argument("--config", required=True, help="base run config (YAML or recipe name)")
+    bp.add_argument("--nproc", type=int, default=1)
+    bp.add_argument("--tokens", default="32768,65536", help="tokens per GPU (one sequence)")
+    bp.add_argument("--steps", type=int, default=6)
+    bp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every stage")
+    bp.add_argument("--stages", help="comma list of stages to run (default: all)")
+    bp.add_argument("--timeout", type=int, default=1800, help="seconds per stage")
+    bp.add_argument("--out", help="write the JSON report here")
+    bp.set_defaults(fn=_cmd_bench_path)
 
     k = sub.add_parser("kernels", help="compile-check every Triton kernel config per GPU target")
     ksub = k.add_subparsers(dest="kcmd", required=True)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue D item 8 on the GPUs at hand (1 or 2 H200s): the Qwen3.5-35B-A3B preset scaled in layers,
+# 32K and 64K tokens per GPU, the seeds' optimisation path stage by stage. NPROC=2 uses EP=2.
+# Carry fla wheels (.whl/) for the Gated DeltaNet fast path; without them the chunked core runs.
+set -uo pipefail
+OUT=${OUT:-bench-out}
+NPROC=${NPROC:-1}
+LAYERS=${LAYERS:-4}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m longmoe bench train-path --config gpu_smoke --nproc "$NPROC" --tokens 32768,65536 \
+    --steps 6 --set model.num_layers="$LAYERS" --set parallel.ep="$NPROC" \
+    --set data.prompt_len=1024 --set train.nproc="$NPROC" --timeout 540 \
+    --out "$OUT/train_path_h200x${NPROC}.json" 2>&1 | tail -14 | tee "$OUT/log.txt"

@@ -1,0 +1,108 @@
+"""`longmoe bench train-path`: the seeds' optimisation path as training runs on the GPUs at hand.
+
+Stages (each adds one mechanism to the previous one), per tokens-per-GPU value:
+  baseline     selective recompute, naive cross-entropy (full logits), FSDP off, no EP chunks
+  +linear CE   linear cross-entropy (logits never materialised)
+  +FSDP2       parameters, gradients and optimizer state sharded
+  +chunked EP  full recompute and chunked expert parallelism (chunks: auto)
+
+Each stage is one `longmoe train` subprocess (a fresh process, so one stage's allocator state or
+OOM cannot leak into the next) with its metrics file; the report keeps, per stage, the median
+over steps after the first of hardware/model TFLOPS per GPU and MFU, the max peak memory, the
+last loss, or "oom"/"failed" with the error's last line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STAGES = [
+    ("baseline", {"parallel.recompute": "selective", "impl.linear_ce": "naive",
+                  "impl.policy_loss": "unfused", "parallel.fsdp": "false", "parallel.chunks": 1}),
+    ("+linear CE", {"impl.linear_ce": "auto", "impl.policy_loss": "auto"}),
+    ("+FSDP2", {"parallel.fsdp": "true"}),
+    ("+chunked EP", {"parallel.recompute": "full", "parallel.chunks": "auto"}),
+]
+
+
+def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, timeout: int):
+    cmd = [sys.executable, "-m", "longmoe", "train", "--config", config, "--nproc", str(nproc),
+           "--steps", str(steps), "--metrics-out", str(metrics)]
+    for k, v in overrides.items():
+        cmd += ["--set", f"{k}={v}"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "cmd": " ".join(cmd[2:])}
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    out = {"cmd": " ".join(cmd[2:]), "returncode": p.returncode}
+    if p.returncode != 0 or not rows:
+        err = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        oom = "out of memory" in p.stderr.lower()
+        out.update(status="oom" if oom else "failed", error=err[-300:])
+        return out
+    timed = rows[1:] or rows
+    med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
+    out.update(status="ok", steps=len(rows), hw_tflops_per_gpu=med("hw_tflops_per_gpu"),
+               model_tflops_per_gpu=med("model_tflops_per_gpu"),
+               mfu=med("mfu") if any(r.get("mfu") for r in timed) else None,
+               tokens_per_s=med("tokens_per_s"), step_time_s=med("step_time_s"),
+               peak_mem_gib=max(r["peak_mem_bytes"] for r in rows) / 2**30,
+               first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"])
+    return out
+
+
+def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict,
+             stages: list[str] | None = None, timeout: int = 1800) -> dict:
+    from longmoe.backends import active_backend
+    backend = active_backend()
+    names = [s for s, _ in STAGES]
+    for s in stages or []:
+        if s not in names:
+            from longmoe.errors import UserError
+            raise UserError(f"--stages: unknown stage {s!r}; valid: {', '.join(names)}")
+    report = {"bench": "train-path", "config": config, "nproc": nproc,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": backend.probe().get("device_name") or backend.name,
+              "versions": backend.versions(), "extra": extra, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="longmoe-path-") as tmp:
+        for T in tokens:
+            acc: dict = {"data.seq_len": T, "data.batch_size": 1, **extra}
+            for name, change in STAGES:
+                acc = {**acc, **change}
+                if stages and name not in stages:
+                    continue
+                res = _run(config, nproc, acc, steps, Path(tmp) / f"{name}-{T}.jsonl", timeout)
+                report["runs"].append({"stage": name, "tokens_per_gpu": T, **res})
+                print(f"T={T:>6} {name:<12} " + (
+                    f"{res['hw_tflops_per_gpu']:.1f} hw TFLOPS/GPU, peak {res['peak_mem_gib']:.1f}"
+                    f" GiB, loss {res['last_loss']:+.4f}" if res["status"] == "ok"
+                    else f"{res['status']}: {res.get('error', '')}"), flush=True)
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| tokens/GPU | stage | hw TFLOPS/GPU | model TFLOPS/GPU | MFU | peak GiB | last loss |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if r["status"] == "ok":
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
+            lines.append(f"| {r['tokens_per_gpu']} | {r['stage']} | {r['hw_tflops_per_gpu']:.1f} | "
+                         f"{r['model_tflops_per_gpu']:.1f} | {mfu} | {r['peak_mem_gib']:.1f} | "
+                         f"{r['last_loss']:+.4f} |")
+        else:
+            lines.append(f"| {r['tokens_per_gpu']} | {r['stage']} | {r['status']} | | | | |")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: str | None):
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+    print(markdown_table(report))

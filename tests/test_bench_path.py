@@ -1,0 +1,30 @@
+"""`longmoe bench train-path` end to end on 2 CPU ranks: every stage runs as its own training
+process and is summarised; a bad stage name is one line naming the flag."""
+
+import json
+import subprocess
+import sys
+
+
+def test_train_path_runs_every_stage(tmp_path):
+    out = tmp_path / "path.json"
+    p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "train-path", "--config",
+                        "cpu_demo", "--nproc", "2", "--tokens", "96", "--steps", "2",
+                        "--set", "data.prompt_len=16", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert [r["stage"] for r in rep["runs"]] == ["baseline", "+linear CE", "+FSDP2", "+chunked EP"]
+    for r in rep["runs"]:
+        assert r["status"] == "ok", r
+        assert r["steps"] == 2 and r["peak_mem_gib"] > 0 and r["hw_tflops_per_gpu"] > 0
+    assert "parallel.linear_ce" not in rep["runs"][0]["cmd"]
+    assert "impl.linear_ce=naive" in rep["runs"][0]["cmd"]
+    assert "parallel.chunks=auto" in rep["runs"][3]["cmd"]
+
+
+def test_unknown_stage_is_named(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "train-path", "--config",
+                        "cpu_demo", "--stages", "turbo"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode != 0 and "--stages: unknown stage 'turbo'" in p.stderr
