@@ -27,7 +27,18 @@ def collect() -> dict[str, Any]:
     versions = report["versions"]
     missing = [f"package {p} is not installed" for p in backend.packages if versions.get(p) is None]
     missing += [f"probe: {err}" for err in report["probe"]["errors"]]
+    from longmoe.backends.collective import TRANSPORT_NAMES
+    from longmoe.tuning import cache as tuning_cache
+    dev = backend.device(0)
+    transports = {t: backend.collective.a2a_unavailable(t, dev) or "available"
+                  for t in TRANSPORT_NAMES}
+    caches = {}
+    for d in tuning_cache.search_dirs():
+        f = d / tuning_cache.FILE_NAME
+        caches[str(f)] = f"{len(tuning_cache.load(f))} entries" if f.exists() else "absent"
     report.update(
+        a2a_transports=transports,
+        tuning_caches=caches,
         backend_error=backend_error,
         memory_label=backend.memory_label,
         backends={n: why or "available" for n, why in availability().items()},
@@ -53,7 +64,11 @@ def _print_rich(report: dict[str, Any]) -> None:
     summary.add_row("torch device type", report["device_type"])
     summary.add_row("process group backend", report["dist_backend"])
     summary.add_row("comm stream priority", str(report["comm_stream_priority"]))
-    summary.add_row("all-to-all transport", report["a2a_transport"])
+    summary.add_row("all-to-all transport", f"{report['a2a_transport']} (auto)")
+    for name, state in report["a2a_transports"].items():
+        summary.add_row(f"  transport {name}", state)
+    for path, state in report["tuning_caches"].items():
+        summary.add_row("chunk tuning cache", f"{path}: {state}")
     summary.add_row("memory figure", report["memory_label"])
     for name, state in report["backends"].items():
         summary.add_row(f"backend {name}", state)

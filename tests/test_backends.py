@@ -263,6 +263,9 @@ def test_doctor_json_and_tables(capsys):
     assert report["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert report["backend"] == backends.active_backend().name
     assert isinstance(report["missing"], list) and "collective_env" in report
+    assert report["a2a_transports"]["process_group"] == "available"
+    assert set(report["a2a_transports"]) == {"process_group", "symmetric_memory"}
+    assert any(p.endswith("chunks.json") for p in report["tuning_caches"])
     assert run_doctor() == 0 and "longmoe doctor" in capsys.readouterr().out
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
