@@ -15,13 +15,15 @@ import torch
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> float:
+    """max |a - b| over max |b|, or over `scale` when the reference is a sum whose terms cancel
+    (a GRPO surrogate near zero): then the size of its terms is the meaningful denominator."""
     a, b = a.detach().to(torch.float64).cpu(), b.detach().to(torch.float64).cpu()
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
     if b.numel() == 0:
         return 0.0
-    scale = b.abs().max().clamp(min=1e-12)
+    scale = torch.tensor(scale if scale is not None else float(b.abs().max())).clamp(min=1e-12)
     return float((a - b).abs().max() / scale)
 
 
@@ -44,8 +46,8 @@ class PairedResult:
     def ok(self) -> bool:
         return self.max_error <= self.tolerance
 
-    def add(self, name: str, cand: torch.Tensor, ref: torch.Tensor):
-        self.errors[name] = rel_err(cand, ref)
+    def add(self, name: str, cand: torch.Tensor, ref: torch.Tensor, scale: float | None = None):
+        self.errors[name] = rel_err(cand, ref, scale)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "max_error": self.max_error, "ok": self.ok}
