@@ -67,7 +67,8 @@ def _comm_alone(pipe, x_TH, H):
     def run():
         for _ in range(2):
             pipe.a2a(recv, send, 0, reverse=False)
-            pipe.a2a(send, recv, 0, reverse=True)
+            mark = pipe.a2a(send, recv, 0, reverse=True)
+        pipe.streams.compute_waits(mark)  # the timer's end event sits on the compute stream
     return run
 
 
