@@ -147,3 +147,10 @@ def test_moe_layer_bench_smoke_on_cpu_ranks(tmp_path):
     assert rep["traces"] == ["process_group_T64_C2_rank0.json.gz"] or \
         rep["traces"] == ["process_group_T64_C2_rank1.json.gz"]
     assert "| process_group |" in p.stdout
+
+
+def test_route_plan_reports_a_bad_index_without_an_extra_sync():
+    with pytest.raises(ValueError, match="expert index 8, outside"):
+        plan_routes(torch.tensor([[0, 8], [1, 2]]), 8, 1)
+    with pytest.raises(ValueError, match="expert index -3"):
+        plan_routes(torch.tensor([[-3, 1]]), 8, 1)

@@ -76,7 +76,8 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
     chunk_T = torch.repeat_interleave(
         torch.arange(C, device=idx_TK.device),
         torch.tensor([e - s for s, e in bounds], device=idx_TK.device), output_size=T)
-    key = (chunk_T[:, None] * num_experts + idx_TK).reshape(-1)
+    # Clamped so that a bad index cannot break the counting; it is reported after the host copy.
+    key = (chunk_T[:, None] * num_experts + idx_TK.clamp(0, num_experts - 1)).reshape(-1)
     order_A = torch.argsort(key, stable=True)
     counts_CE = torch.bincount(key, minlength=C * num_experts).view(C, num_experts)
     if S > 1:
@@ -88,8 +89,16 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
         counts_SCE = counts_CE[None]
     recv_SCL = counts_SCE[:, :, me * L:(me + 1) * L]
     matrix_CSD = counts_SCE.view(S, C, S, L).sum(-1).transpose(0, 1)
-    # The one host synchronisation of the layer.
-    host = torch.cat([matrix_CSD.reshape(-1), recv_SCL.sum(0).reshape(-1)]).tolist()
+    # The one host synchronisation of the layer (the expert-index range rides along with it).
+    bounds_dev = (torch.stack([idx_TK.min(), idx_TK.max()]) if idx_TK.numel()
+                  else idx_TK.new_zeros(2))
+    host = torch.cat([matrix_CSD.reshape(-1), recv_SCL.sum(0).reshape(-1),
+                      bounds_dev.to(matrix_CSD.dtype)]).tolist()
+    lo, hi = host[-2:]
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"routing produced expert index {bad}, outside [0, {num_experts})")
+    host = host[:-2]
     mat = [[host[(c * S + s) * S:(c * S + s + 1) * S] for s in range(S)] for c in range(C)]
     rows = host[C * S * S:]
     plan = RoutePlan(bounds, mat, [], [], [], [], order_A, me)
@@ -150,10 +159,10 @@ class ExpertDispatcher:
     def __call__(self, x_TH, idx_TK, w_TK, experts, fill=None) -> torch.Tensor:
         """Routed expert output for x_TH, plus `fill()` (e.g. the shared expert) when given,
         which with expert parallelism runs while the last chunk's combine is in flight."""
-        if self.check_routes:
-            check_expert_index(idx_TK, self.num_experts)
         T, K = idx_TK.shape
         if self.ep_size == 1:
+            if self.check_routes:  # one sync here too: the bincount below is read on the host
+                check_expert_index(idx_TK, self.num_experts)
             order_A = torch.argsort(idx_TK.reshape(-1), stable=True)
             rows = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts).tolist()
             tok_A = order_A // K
