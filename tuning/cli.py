@@ -5,18 +5,8 @@ from __future__ import annotations
 import json
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    from longmoe.errors import UserError
-    try:
-        vals = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise UserError(f"{flag}: values must be >= 1, got {text!r}")
-    return vals
-
-
 def _cmd(a) -> int:
+    from longmoe.cli import _ints
     from longmoe.config import get_preset
     seq_lens, chunks = _ints(a.seq_lens, "--seq-lens"), _ints(a.chunks, "--chunks")
     if a.predict:

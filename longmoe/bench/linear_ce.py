@@ -13,11 +13,11 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
 from longmoe.backends import active_backend
+from longmoe.bench import write_json_and_table
 
 
 def _peers():
@@ -153,10 +153,7 @@ def markdown_table(report: dict) -> str:
 
 
 def write_report(report: dict, out: str | None):
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1))
-    print(markdown_table(report))
+    write_json_and_table(report, out, markdown_table)
 
 
 def profile_breakdown(T: int, H: int, V: int, chunk: int | None, which: str = "ours",

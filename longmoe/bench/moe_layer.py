@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gzip
-import json
 import os
 import shutil
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longmoe.bench import write_json_and_table
 from longmoe.config import from_dict as model_from_dict, get_preset
 
 
@@ -267,7 +267,4 @@ def markdown_table(report: dict) -> str:
 
 
 def write_report(report: dict, out: str | None):
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1))
-    print(markdown_table(report))
+    write_json_and_table(report, out, markdown_table)

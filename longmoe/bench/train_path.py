@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from longmoe.bench import write_json_and_table
+
 STAGES = [
     ("baseline", {"parallel.recompute": "selective", "impl.linear_ce": "naive",
                   "impl.policy_loss": "unfused", "parallel.fsdp": "false", "parallel.chunks": 1}),
@@ -102,7 +104,4 @@ def markdown_table(report: dict) -> str:
 
 
 def write_report(report: dict, out: str | None):
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1))
-    print(markdown_table(report))
+    write_json_and_table(report, out, markdown_table)

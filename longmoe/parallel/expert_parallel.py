@@ -18,28 +18,6 @@ import torch
 import torch.distributed as dist
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits; its backward is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
-        gx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
-        dist.all_to_all_single(gx, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return gx, None, None, None
-
-
-def all_to_all(x, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return _AllToAll.apply(x, out_splits, in_splits, group)
-
-
 @dataclass
 class RoutePlan:
     bounds: list[tuple[int, int]]    # token range of each chunk
@@ -49,7 +27,6 @@ class RoutePlan:
     expert_rows: list[list[int]]     # per chunk: rows for each local expert (all sources)
     recv_SL: list[torch.Tensor]      # per chunk: [S, L] rows per (source, local expert), on device
     order_A: torch.Tensor            # assignments sorted by (chunk, expert)
-    rank: int = 0
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -94,14 +71,11 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
                   else idx_TK.new_zeros(2))
     host = torch.cat([matrix_CSD.reshape(-1), recv_SCL.sum(0).reshape(-1),
                       bounds_dev.to(matrix_CSD.dtype)]).tolist()
-    lo, hi = host[-2:]
-    if lo < 0 or hi >= num_experts:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"routing produced expert index {bad}, outside [0, {num_experts})")
+    _check_index_range(*host[-2:], num_experts)
     host = host[:-2]
     mat = [[host[(c * S + s) * S:(c * S + s + 1) * S] for s in range(S)] for c in range(C)]
     rows = host[C * S * S:]
-    plan = RoutePlan(bounds, mat, [], [], [], [], order_A, me)
+    plan = RoutePlan(bounds, mat, [], [], [], [], order_A)
     for c in range(C):
         plan.send.append(list(mat[c][me]))
         plan.recv.append([mat[c][s][me] for s in range(S)])
@@ -110,13 +84,17 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
     return plan
 
 
+def _check_index_range(lo: int, hi: int, num_experts: int):
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"routing produced expert index {bad}, outside [0, {num_experts})")
+
+
 def check_expert_index(idx_TK: torch.Tensor, num_experts: int):
-    """A router bug that yields an expert id outside [0, E) is caught here, naming the value."""
+    """A router bug that yields an expert id outside [0, E) is caught here, naming the value
+    (plan_routes does the same check inside its one host copy)."""
     if idx_TK.numel():
-        lo, hi = int(idx_TK.min()), int(idx_TK.max())
-        if lo < 0 or hi >= num_experts:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"routing produced expert index {bad}, outside [0, {num_experts})")
+        _check_index_range(int(idx_TK.min()), int(idx_TK.max()), num_experts)
 
 
 def source_major_to_expert_major(recv_SL: torch.Tensor, total: int) -> torch.Tensor:
@@ -138,7 +116,7 @@ class ExpertDispatcher:
     which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
 
     def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
-                 streams=None, check_routes: bool = True, keep_outputs: bool = False):
+                 streams=None, keep_outputs: bool = False):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
@@ -151,7 +129,7 @@ class ExpertDispatcher:
             from longmoe.backends.streams import HostStreams
             streams = HostStreams()
         self.num_experts, self.group, self.chunks, self.ep_size = num_experts, group, chunks, S
-        self.transport, self.streams, self.check_routes = transport, streams, check_routes
+        self.transport, self.streams = transport, streams
         # False: drop the combined expert outputs after the forward and rebuild the router-weight
         # gradient on the expert side (one extra GEMM); True: keep them (T*K*H more memory).
         self.keep_outputs = keep_outputs
@@ -160,14 +138,11 @@ class ExpertDispatcher:
         """Routed expert output for x_TH, plus `fill()` (e.g. the shared expert) when given,
         which with expert parallelism runs while the last chunk's combine is in flight."""
         T, K = idx_TK.shape
-        if self.ep_size == 1:
-            if self.check_routes:  # one sync here too: the bincount below is read on the host
-                check_expert_index(idx_TK, self.num_experts)
-            order_A = torch.argsort(idx_TK.reshape(-1), stable=True)
-            rows = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts).tolist()
-            tok_A = order_A // K
-            y_AH = experts(x_TH[tok_A], rows)
-            w_A = w_TK.reshape(-1)[order_A].to(y_AH.dtype)
+        if self.ep_size == 1:  # all experts here: one grouped GEMM pass over every token
+            plan = plan_routes(idx_TK, self.num_experts, 1)
+            tok_A = plan.order_A // K
+            y_AH = experts(x_TH[tok_A], plan.expert_rows[0])
+            w_A = w_TK.reshape(-1)[plan.order_A].to(y_AH.dtype)
             y = torch.zeros_like(x_TH).index_add(0, tok_A, y_AH * w_A[:, None])
             return y if fill is None else y + fill()
         from longmoe.parallel.moe_pipeline import ChunkPipeline
