@@ -86,9 +86,21 @@ class _Store:
         return s[lo:hi] if lo is not None else s[:]
 
 
+# Per-layer parameters that map one to one (ours -> theirs, after the layer prefix).
+_ONE_TO_ONE = {"attn_norm.weight": "input_layernorm.weight",
+               "moe_norm.weight": "post_attention_layernorm.weight",
+               "moe.router.weight": "mlp.gate.weight",
+               "moe.shared.down.weight": "mlp.shared_expert.down_proj.weight",
+               "moe.shared.gate.weight": "mlp.shared_expert_gate.weight"}
+
+
+def _plain(name: str) -> str:
+    """A parameter or module name without recompute wrappers' path components."""
+    return name.replace("block.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 def _our_layer_names(model) -> dict[str, torch.nn.Parameter]:
-    return {n.replace("block.", "").replace("_checkpoint_wrapped_module.", ""): p
-            for n, p in model.named_parameters()}
+    return {_plain(n): p for n, p in model.named_parameters()}
 
 
 def _local_rows(p) -> tuple[int, int]:
@@ -116,13 +128,8 @@ def _source(store: _Store, ours: str, first_expert: int):
     if m is None:
         raise UserError(f"hf checkpoint: no mapping for parameter {ours}")
     L, rest = P + f"layers.{m.group(1)}.", m.group(2)
-    simple = {"attn_norm.weight": "input_layernorm.weight",
-              "moe_norm.weight": "post_attention_layernorm.weight",
-              "moe.router.weight": "mlp.gate.weight",
-              "moe.shared.down.weight": "mlp.shared_expert.down_proj.weight",
-              "moe.shared.gate.weight": "mlp.shared_expert_gate.weight"}
-    if rest in simple or rest.startswith("attn."):
-        name = simple.get(rest) or (("linear_attn." if store.has(L + "linear_attn." + rest[5:])
+    if rest in _ONE_TO_ONE or rest.startswith("attn."):
+        name = _ONE_TO_ONE.get(rest) or (("linear_attn." if store.has(L + "linear_attn." + rest[5:])
                                      else "self_attn.") + rest[5:])
         key = L + name
         return (lambda lo, hi: store.rows(key, lo, hi)), store.shape(key)
@@ -168,7 +175,7 @@ def load_hf(model, directory: str | Path) -> int:
     against the model before anything is copied, so a mismatch leaves the model untouched."""
     from longmoe.model.moe import GroupedExperts
     store = _Store(directory)
-    first = {n.replace("block.", "").replace("_checkpoint_wrapped_module.", ""): m.first_expert
+    first = {_plain(n): m.first_expert
              for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
     plan = []
     for name, p in _our_layer_names(model).items():
@@ -220,13 +227,8 @@ def _hf_tensors(name: str, t: torch.Tensor, first_expert: int, cfg, prefix: str 
     if rest == "moe.shared.gate_up.weight":
         g, u = t.chunk(2)
         return {L + "mlp.shared_expert.gate_proj.weight": g, L + "mlp.shared_expert.up_proj.weight": u}
-    simple = {"attn_norm.weight": "input_layernorm.weight",
-              "moe_norm.weight": "post_attention_layernorm.weight",
-              "moe.router.weight": "mlp.gate.weight",
-              "moe.shared.down.weight": "mlp.shared_expert.down_proj.weight",
-              "moe.shared.gate.weight": "mlp.shared_expert_gate.weight"}
-    if rest in simple:
-        return {L + simple[rest]: t}
+    if rest in _ONE_TO_ONE:
+        return {L + _ONE_TO_ONE[rest]: t}
     linear = cfg.layer_type(int(m.group(1))) == "linear_attention"
     return {L + ("linear_attn." if linear else "self_attn.") + rest[5:]: t}
 
@@ -280,7 +282,7 @@ def export_hf(model, cfg, directory: str | Path, dtype: torch.dtype = torch.bflo
         out.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    experts = {n.replace("block.", "").replace("_checkpoint_wrapped_module.", ""): m
+    experts = {_plain(n): m
                for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
     dense, mine, ep_rank = {}, {}, 0
     for name, p in _our_layer_names(model).items():
