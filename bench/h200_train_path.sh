@@ -15,5 +15,5 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 python3 -m longmoe bench train-path --config gpu_smoke --nproc "$NPROC" --tokens 32768,65536 \
     --steps 6 --set model.num_layers="$LAYERS" --set "model.layer_types=$TYPES" \
     --set parallel.ep="$NPROC" \
-    --set data.prompt_len=1024 --set train.nproc="$NPROC" --timeout 540 \
-    --out "$OUT/train_path_h200x${NPROC}.json" 2>&1 | tail -14 | tee "$OUT/log.txt"
+    --set data.prompt_len=1024 --set train.nproc="$NPROC" --timeout "${RUN_TIMEOUT:-540}" \
+    --out "$OUT/train_path_h200x${NPROC}.json" 2>&1 | tail -14 | tee -a "$OUT/log.txt"

@@ -188,6 +188,9 @@ def test_fla_gated_delta_on_gpu_matches_recurrence(decay):
     seed = random.randrange(2**31)
     q, k, v, g, beta, S0 = (t.cuda() for t in _gdn_inputs(seed, 2, 200, 2, 4, 64, 64,
                                                            torch.float32, decay))
+    from longmoe.ops.gated_delta import _fla_check
+    if (why := _fla_check(q, k, v, g, beta)) is not None:
+        pytest.skip(why)  # the registry falls back to the chunked core here (tested on CPU)
     outs = {}
     for impl in ("recurrent", "fla"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]

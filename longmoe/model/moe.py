@@ -55,15 +55,15 @@ class GroupedExperts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(L, cfg.moe_ffn_size, cfg.hidden_size))
         self.impl = "auto"
 
-    def forward(self, x_MH, rows_per_expert, w_A=None):
+    def forward(self, x_MH, rows_per_expert, w_A=None, offs=None):
         """x_MH grouped by expert with `rows_per_expert` rows each; or, for expert parallelism,
         the layer's tokens with a ChunkPipeline that dispatches them (and combine weights w_A).
         Either way the call goes through this module, so FSDP's hooks gather the weights."""
         if not isinstance(rows_per_expert, list):
             return rows_per_expert.run(x_MH, w_A, self.w_in, self.w_out, self.impl)
-        h_MF2 = grouped_mm(x_MH, self.w_in, rows_per_expert, impl=self.impl)
+        h_MF2 = grouped_mm(x_MH, self.w_in, rows_per_expert, offs, impl=self.impl)
         gate, up = h_MF2.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w_out, rows_per_expert, impl=self.impl)
+        return grouped_mm(F.silu(gate) * up, self.w_out, rows_per_expert, offs, impl=self.impl)
 
 
 class SharedExpert(nn.Module):
@@ -105,7 +105,7 @@ class MoE(nn.Module):
         E, K = self.cfg.num_experts, self.cfg.top_k
         with torch.no_grad():
             stats = torch.cat([torch.bincount(idx_TK.reshape(-1), minlength=E).float(),
-                               probs_TE.new_tensor([idx_TK.shape[0]])])
+                               torch.full((1,), float(idx_TK.shape[0]), device=probs_TE.device)])
             if self.batch_group is not None:
                 dist.all_reduce(stats, group=self.batch_group)
             counts_E, n_tok = stats[:E], stats[E]

@@ -95,6 +95,9 @@ def _chunked(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     return o.transpose(1, 2), S
 
 
+_FLA_TRIAL: dict[str, str | None] = {}
+
+
 def _fla_check(q, k, v, g, beta, initial_state=None):
     if q.device.type == "cpu":
         return "fla's Triton kernels need a GPU"
@@ -102,7 +105,27 @@ def _fla_check(q, k, v, g, beta, initial_state=None):
         import fla.ops.gated_delta_rule  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return f"flash-linear-attention not importable ({type(e).__name__})"
-    return None
+    return _fla_trial(q.device)
+
+
+def _fla_trial(device) -> str | None:
+    """fla refuses some kernel paths on some GPU/Triton pairs at call time (e.g. its gated
+    backward on Triton 3.4-3.7.0 for one architecture, fla issue #640): one tiny forward and
+    backward per device decides, once, whether the fast path is usable here."""
+    key = str(device)
+    if key not in _FLA_TRIAL:
+        try:
+            with torch.enable_grad():
+                t = [torch.randn(1, 64, 1, 16, device=device, requires_grad=True)
+                     for _ in range(3)]
+                g = torch.zeros(1, 64, 1, device=device, requires_grad=True)
+                b = torch.full((1, 64, 1), 0.5, device=device, requires_grad=True)
+                o, _ = _fla(t[0], t[1], t[2], g, b)
+                o.sum().backward()
+            _FLA_TRIAL[key] = None
+        except Exception as e:  # noqa: BLE001 - any refusal means "use another implementation"
+            _FLA_TRIAL[key] = f"flash-linear-attention refused a trial call: {str(e)[:160]}"
+    return _FLA_TRIAL[key]
 
 
 @GATED_DELTA.register("fla", priority=10, check=_fla_check)

@@ -40,6 +40,11 @@ def _torch_grouped(x_MK, w_GKN, sizes, offs=None):
 
 def _triton_check(x_MK, w_GKN, sizes):
     from longmoe.ops.kernels import triton_ready
+    if x_MK.device.type != "cpu" and x_MK.element_size() > 2:
+        # Its tiles are sized for 2-byte inputs (fp32 needs twice the shared memory; sm_90's
+        # 128x128x64 tile asked for 288 KiB) and fp32 dots would round through tf32: the loop
+        # keeps fp32 exact.
+        return f"the Triton grouped GEMM takes 2-byte inputs on a GPU, not {x_MK.dtype}"
     return triton_ready(x_MK.device)
 
 
@@ -81,22 +86,24 @@ def _offs(sizes, device):
     return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
 
 
-def _wgrad_torch(x_MK, dy_MN, sizes):
-    out = torch._grouped_mm(x_MK.t(), dy_MN, offs=_offs(sizes, x_MK.device))
-    # Groups without rows: make them exact zeros whatever the kernel leaves there.
-    empty = [g for g, n in enumerate(sizes) if n == 0]
-    if empty:
-        out[empty] = 0
+def _wgrad_torch(x_MK, dy_MN, sizes, offs=None):
+    offs = _offs(sizes, x_MK.device) if offs is None else offs
+    out = torch._grouped_mm(x_MK.t(), dy_MN, offs=offs)
+    # Groups without rows: make them exact zeros whatever the kernel leaves there (a mask built
+    # on the device from the offsets: a host index list would cost a stream synchronisation).
+    if 0 in sizes:
+        rows = torch.diff(offs, prepend=offs.new_zeros(1))
+        out.masked_fill_((rows == 0)[:, None, None], 0)
     return out
 
 
-def _wgrad_triton(x_MK, dy_MN, sizes):
+def _wgrad_triton(x_MK, dy_MN, sizes, offs=None):
     from longmoe.backends import active_backend
     from longmoe.ops.kernels.grouped_gemm import grouped_dw
     return grouped_dw(x_MK, dy_MN, list(sizes), active_backend().kernel_config("grouped_gemm"))
 
 
-def _wgrad_loop(x_MK, dy_MN, sizes):
+def _wgrad_loop(x_MK, dy_MN, sizes, offs=None):
     out = x_MK.new_zeros((len(sizes), x_MK.shape[1], dy_MN.shape[1]))
     s = 0
     for g, n in enumerate(sizes):
@@ -110,10 +117,11 @@ _WGRAD = {"torch": _wgrad_torch, "triton": _wgrad_triton, "loop": _wgrad_loop}
 
 
 def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, sizes: list[int],
-                     w_GKN: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+                     w_GKN: torch.Tensor, impl: str = "auto",
+                     offs: torch.Tensor | None = None) -> torch.Tensor:
     """dW[g] = x_g^T @ dy_g: the weight gradient of grouped_mm(x, w, sizes), computed by the same
     implementation the forward would pick for w (`impl`), in w's dtype."""
     name = GROUPED_MM.select(impl, x_MK, w_GKN, sizes).name
     if x_MK.shape[0] == 0:
         return w_GKN.new_zeros(w_GKN.shape)
-    return _WGRAD[name](x_MK, dy_MN, sizes).to(w_GKN.dtype)
+    return _WGRAD[name](x_MK, dy_MN, sizes, offs).to(w_GKN.dtype)

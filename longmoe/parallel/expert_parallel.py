@@ -27,6 +27,8 @@ class RoutePlan:
     expert_rows: list[list[int]]     # per chunk: rows for each local expert (all sources)
     recv_SL: list[torch.Tensor]      # per chunk: [S, L] rows per (source, local expert), on device
     order_A: torch.Tensor            # assignments sorted by (chunk, expert)
+    rows_CL: torch.Tensor | None = None  # [C, L] rows per (chunk, local expert), on device
+    offs: list[torch.Tensor] | None = None  # per chunk: int32 end row of each local expert (device)
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -50,9 +52,7 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
     L = num_experts // S
     bounds = chunk_bounds(T, chunks)
     C = len(bounds)
-    chunk_T = torch.repeat_interleave(
-        torch.arange(C, device=idx_TK.device),
-        torch.tensor([e - s for s, e in bounds], device=idx_TK.device), output_size=T)
+    chunk_T = _chunk_of_token(T, C, idx_TK.device)
     # Clamped so that a bad index cannot break the counting; it is reported after the host copy.
     key = (chunk_T[:, None] * num_experts + idx_TK.clamp(0, num_experts - 1)).reshape(-1)
     order_A = torch.argsort(key, stable=True)
@@ -75,13 +75,24 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
     host = host[:-2]
     mat = [[host[(c * S + s) * S:(c * S + s + 1) * S] for s in range(S)] for c in range(C)]
     rows = host[C * S * S:]
-    plan = RoutePlan(bounds, mat, [], [], [], [], order_A)
+    rows_CL = recv_SCL.sum(0)
+    offs_CL = rows_CL.cumsum(1).to(torch.int32)  # grouped GEMM offsets, built without a host copy
+    plan = RoutePlan(bounds, mat, [], [], [], [], order_A, rows_CL, list(offs_CL.unbind(0)))
     for c in range(C):
         plan.send.append(list(mat[c][me]))
         plan.recv.append([mat[c][s][me] for s in range(S)])
         plan.expert_rows.append(rows[c * L:(c + 1) * L])
         plan.recv_SL.append(recv_SCL[:, c])
     return plan
+
+
+def _chunk_of_token(T: int, C: int, device) -> torch.Tensor:
+    """Chunk id of every token under chunk_bounds(T, C), computed on the device (a host list sent
+    to the device would be a stream synchronisation)."""
+    base, extra = divmod(T, C)
+    t = torch.arange(T, device=device)
+    head = extra * (base + 1)  # the first `extra` chunks hold base + 1 tokens
+    return torch.where(t < head, t // (base + 1), extra + (t - head) // base)
 
 
 def _check_index_range(lo: int, hi: int, num_experts: int):
@@ -98,13 +109,14 @@ def check_expert_index(idx_TK: torch.Tensor, num_experts: int):
 
 
 def source_major_to_expert_major(recv_SL: torch.Tensor, total: int) -> torch.Tensor:
-    """Gather index turning the received [source][expert] row order into [expert][source]."""
+    """Gather index turning the received [source][expert] row order into [expert][source].
+    With leading dims ([C, S, L]: one block per chunk, blocks concatenated), each block is
+    reordered within itself."""
     flat = recv_SL.reshape(-1)
-    start_recv_SL = (torch.cumsum(flat, 0) - flat).view_as(recv_SL)
-    len_LS = recv_SL.T.reshape(-1)
-    start_target_LS = torch.cumsum(len_LS, 0) - len_LS
-    shift = torch.repeat_interleave(start_recv_SL.T.reshape(-1) - start_target_LS, len_LS,
-                                    output_size=total)
+    start_src = (torch.cumsum(flat, 0) - flat).view_as(recv_SL).transpose(-1, -2).reshape(-1)
+    len_tgt = recv_SL.transpose(-1, -2).reshape(-1)
+    start_tgt = torch.cumsum(len_tgt, 0) - len_tgt
+    shift = torch.repeat_interleave(start_src - start_tgt, len_tgt, output_size=total)
     return shift + torch.arange(total, device=recv_SL.device)
 
 
@@ -141,7 +153,7 @@ class ExpertDispatcher:
         if self.ep_size == 1:  # all experts here: one grouped GEMM pass over every token
             plan = plan_routes(idx_TK, self.num_experts, 1)
             tok_A = plan.order_A // K
-            y_AH = experts(x_TH[tok_A], plan.expert_rows[0])
+            y_AH = experts(x_TH[tok_A], plan.expert_rows[0], offs=plan.offs[0])
             w_A = w_TK.reshape(-1)[plan.order_A].to(y_AH.dtype)
             y = torch.zeros_like(x_TH).index_add(0, tok_A, y_AH * w_A[:, None])
             return y if fill is None else y + fill()

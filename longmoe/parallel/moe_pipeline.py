@@ -11,9 +11,18 @@ order, run serially):
 
 Dispatch of chunk c+2 is issued behind the combine of chunk c, so while chunk c+1's expert GEMMs
 run, the comm stream carries the combine of c and the dispatch of c+2. The backward mirrors it:
-gradient dispatch of chunk c+2 and the dgrad combine of chunk c run under chunk c+1's dgrad GEMMs,
-and each chunk's weight gradients are computed right after its dgrad is handed to the comm
-stream, i.e. in the gap where its all-to-all is in flight, accumulated across chunks.
+gradient dispatch of chunk c+2 and the dgrad combine of chunk c run under chunk c+1's dgrad GEMMs.
+Weight gradients are delayed to the end: each chunk's dgrad writes its operands into chunk-major
+buffers (the forward's expert inputs already sit in one), and one grouped GEMM per weight, with a
+group per (chunk, expert), runs under the last chunk's combine, followed by a sum of the C partials.
+Per chunk, the wgrad would write and fp32-accumulate a weight-sized tensor C times (0.75 ms per chunk
+and weight for 128 local experts on an H200); scattering the rows into one expert-major layout
+instead cost more than the partials (index_put at a third of copy bandwidth).
+
+Combines never use atomics: chunks are token ranges, so each chunk's K rows per token are gathered
+back to (token, k) order and reduced with one batched [1, K] x [K, H] product into its own slice.
+Grouped-GEMM offsets come from the route plan on the device: no host list reaches the device
+inside the layer (each would be a stream synchronisation).
 
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
@@ -33,14 +42,24 @@ def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_backward(h_MF2: torch.Tensor, ga_MF: torch.Tensor):
-    """(d h, a) for a = silu(gate) * up, given d a; math in fp32, results in h's dtype."""
-    gate, up = h_MF2.float().chunk(2, dim=-1)
-    sg = torch.sigmoid(gate)
-    silu = gate * sg
-    ga = ga_MF.float()
-    g_gate = ga * up * (sg * (1 + gate * (1 - sg)))
-    return torch.cat([g_gate, ga * silu], -1).to(h_MF2.dtype), (silu * up).to(h_MF2.dtype)
+def swiglu_backward(h_MF2: torch.Tensor, ga_MF: torch.Tensor, out=None):
+    """(d h, a) for a = silu(gate) * up, given d a; written into `out` = (d h, a) when given.
+    Five elementwise kernels in h's dtype (each computes in fp32 inside, as torch's opmath does):
+    an fp32 round trip of the [M, 2F] tensors cost 8 passes over them."""
+    gate, up = h_MF2.chunk(2, dim=-1)
+    Fh = gate.shape[-1]
+    gh, a = out if out is not None else (torch.empty_like(h_MF2), torch.empty_like(up))
+    silu = F.silu(gate)
+    torch.mul(ga_MF, silu, out=gh[:, Fh:])
+    gh[:, :Fh] = torch.ops.aten.silu_backward(ga_MF * up, gate)
+    torch.mul(silu, up, out=a)
+    return gh, a
+
+
+def row_dot(a_MH: torch.Tensor, b_MH: torch.Tensor) -> torch.Tensor:
+    """sum_h a[m, h] * b[m, h], accumulated in fp32: two kernels over the inputs' dtype instead
+    of fp32 copies of both operands."""
+    return (a_MH * b_MH).sum(-1, dtype=torch.float32)
 
 
 class ChunkPipeline:
@@ -51,6 +70,7 @@ class ChunkPipeline:
         self.plan, self.top_k, self.group = plan, top_k, group
         self.transport, self.streams = transport, streams
         self.keep_outputs = keep_outputs
+        self._metas = None
 
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
         """The routed output without the last chunk's combine, which is left in flight: call
@@ -77,15 +97,30 @@ class ChunkPipeline:
         s, e = self.plan.bounds[c]
         return s * self.top_k, e * self.top_k
 
-    def meta(self, c: int):
-        """(token of each sent row, received->expert-major gather, its inverse)."""
-        a0, a1 = self.arange(c)
-        tok = self.plan.order_A[a0:a1] // self.top_k
-        total = sum(self.plan.recv[c])
-        perm = source_major_to_expert_major(self.plan.recv_SL[c], total)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(total, device=perm.device)
-        return tok, perm, inv
+    def metas(self):
+        """Per chunk: (token of each sent row, received->expert-major gather, its inverse, and
+        the gather putting the chunk's sorted rows back in (token, k) order for the combine).
+        Built for all chunks at once (a handful of kernels per layer, not per chunk) and kept for
+        the backward."""
+        if self._metas is None:
+            p, K = self.plan, self.top_k
+            A = p.order_A.numel()
+            dev = p.order_A.device
+            tok_A = p.order_A // K
+            tk_A = torch.empty_like(p.order_A)
+            tk_A[p.order_A] = torch.arange(A, device=dev)
+            M = [sum(r) for r in p.recv]
+            perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), sum(M))
+            inv_all = torch.empty_like(perm_all)
+            inv_all[perm_all] = torch.arange(perm_all.numel(), device=dev)
+            out, base = [], 0
+            for c in range(len(p.bounds)):
+                a0, a1 = self.arange(c)
+                out.append((tok_A[a0:a1], perm_all[base:base + M[c]] - base,
+                            inv_all[base:base + M[c]] - base, tk_A[a0:a1] - a0))
+                base += M[c]
+            self._metas = out
+        return self._metas
 
     def a2a(self, out, inp, c: int, reverse: bool):
         """Dispatch direction (tokens to experts) or, reversed, combine direction."""
@@ -102,11 +137,34 @@ class ChunkPipeline:
         return st.mark_comm()
 
 
-def _experts_fwd(xg, w_in, w_out, rows, impl):
+def _experts_fwd(xg, w_in, w_out, rows, offs, impl):
     if xg.shape[0] == 0:
         return xg.new_empty((0, w_in.shape[2])), xg.new_empty((0, w_out.shape[2]))
-    h = grouped_mm(xg, w_in, rows, impl=impl)
-    return h, grouped_mm(swiglu(h), w_out, rows, impl=impl)
+    h = grouped_mm(xg, w_in, rows, offs, impl=impl)
+    return h, grouped_mm(swiglu(h), w_out, rows, offs, impl=impl)
+
+
+def combine_rows(rows_A, tk, w_A, top_k):
+    """Sum over k of w * row for each token of a chunk: rows_A and w_A in the chunk's sorted
+    order, tk the gather back to (token, k) order. A gather and a batched [1, K] x [K, H]
+    product: no atomics, deterministic, fp32 accumulation."""
+    H = rows_A.shape[1]
+    y = rows_A[tk].view(-1, top_k, H)
+    w = w_A[tk].view(-1, 1, top_k).to(y.dtype)
+    return torch.bmm(w, y).squeeze(1)
+
+
+def _chunked_wgrad(x_all, dy_all, plan: RoutePlan, w, impl):
+    """dW = sum over chunks of x_c^T dy_c per expert, from chunk-major operands: one grouped GEMM
+    whose groups are the (chunk, expert) pairs (no copy of the operands into an expert-major
+    layout), then a sum over chunks (fp32 accumulation) of the C weight-sized partials."""
+    C, L = len(plan.bounds), w.shape[0]
+    if x_all.shape[0] == 0:
+        return torch.zeros_like(w)
+    sizes = [n for rows in plan.expert_rows for n in rows]
+    offs = plan.rows_CL.reshape(-1).cumsum(0).to(torch.int32) if C > 1 else plan.offs[0]
+    parts = grouped_mm_wgrad(x_all, dy_all, sizes, w, impl, offs)
+    return parts if C == 1 else parts.view(C, L, *w.shape[1:]).sum(0)
 
 
 class _PipelinedExperts(torch.autograd.Function):
@@ -114,14 +172,19 @@ class _PipelinedExperts(torch.autograd.Function):
     def forward(ctx, x_TH, w_A, w_in, w_out, pipe: ChunkPipeline, impl):
         plan, st = pipe.plan, pipe.streams
         C, H = len(plan.bounds), x_TH.shape[1]
-        metas = [pipe.meta(c) for c in range(C)]
+        metas = pipe.metas()
         keep = pipe.keep_outputs
+        # The expert-major inputs of all chunks in one chunk-major buffer, so the backward's
+        # weight gradient reads them without a copy.
+        M = [sum(r) for r in plan.recv]
+        B = [sum(M[:c]) for c in range(C)]
+        xg_all = x_TH.new_empty((sum(M), H))
         # Combined expert outputs: one buffer kept for the backward, or one per chunk, dropped
         # once accumulated (the backward then rebuilds what it needs on the expert side).
         y_A = x_TH.new_empty((plan.order_A.numel(), H)) if keep else x_TH.new_empty((0, H))
         comb = [None] * C
-        y_TH = torch.zeros_like(x_TH)
-        recv, d_mark, c_mark, saved = [None] * C, [None] * C, [None] * C, []
+        y_TH = torch.empty_like(x_TH)
+        recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
         def dispatch(c):
             recv[c] = x_TH.new_empty((sum(plan.recv[c]), H))
@@ -130,16 +193,18 @@ class _PipelinedExperts(torch.autograd.Function):
         def accumulate(c):
             st.compute_waits(c_mark[c])
             a0, a1 = pipe.arange(c)
-            y_TH.index_add_(0, metas[c][0], comb[c] * w_A[a0:a1, None].to(comb[c].dtype))
+            s, e = plan.bounds[c]
+            y_TH[s:e] = combine_rows(comb[c], metas[c][3], w_A[a0:a1], pipe.top_k)
             comb[c] = None
 
         for c in range(min(2, C)):
             dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            xg = recv[c][metas[c][1]]
+            xg = xg_all[B[c]:B[c] + M[c]]
+            torch.index_select(recv[c], 0, metas[c][1], out=xg)
             recv[c] = None
-            h, yg = _experts_fwd(xg, w_in, w_out, plan.expert_rows[c], impl)
+            h, yg = _experts_fwd(xg, w_in, w_out, plan.expert_rows[c], plan.offs[c], impl)
             a0, a1 = pipe.arange(c)
             comb[c] = y_A[a0:a1] if keep else x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
@@ -147,78 +212,86 @@ class _PipelinedExperts(torch.autograd.Function):
                 dispatch(c + 2)
             if c:
                 accumulate(c - 1)
-            saved += [xg, h]
+            hs.append(h)
         a0, a1 = pipe.arange(C - 1)
-        pipe.last = (c_mark[C - 1], metas[C - 1][0], comb[C - 1], w_A[a0:a1])
+        s, e = plan.bounds[C - 1]
+        y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
+        pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
         st.pending.append(c_mark[C - 1])
-        ctx.save_for_backward(w_A, w_in, w_out, y_A, *saved)
+        ctx.save_for_backward(w_A, w_in, w_out, y_A, xg_all, *hs)
         ctx.pipe, ctx.impl, ctx.keep = pipe, impl, keep
         return y_TH
 
     @staticmethod
     def backward(ctx, g_TH):
-        w_A, w_in, w_out, y_A, *saved = ctx.saved_tensors
+        w_A, w_in, w_out, y_A, xg_all, *hs = ctx.saved_tensors
         pipe, impl = ctx.pipe, ctx.impl
         plan, st = pipe.plan, pipe.streams
         st.flush_pending()  # a recomputed forward may have left its last combine in flight
-        C, H = len(plan.bounds), g_TH.shape[1]
+        C, H, K = len(plan.bounds), g_TH.shape[1], pipe.top_k
         started, pipe.bwd_started = pipe.bwd_started, None
         g_TH = started[0] if started else g_TH.contiguous()
-        metas = started[1] if started else [pipe.meta(c) for c in range(C)]
-        gx_TH = torch.zeros_like(g_TH)
+        metas = pipe.metas()
+        gx_TH = torch.empty_like(g_TH)
         keep = ctx.keep
         g_wA = torch.empty_like(w_A)
         gw_A = None if keep else torch.empty(w_A.shape, dtype=torch.float32, device=w_A.device)
         gw_mark = None
-        acc = torch.float32 if w_in.element_size() < 4 and C > 1 else w_in.dtype
-        dw_in = torch.zeros(w_in.shape, dtype=acc, device=w_in.device)
-        dw_out = torch.zeros(w_out.shape, dtype=acc, device=w_out.device)
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
         gx_A = g_TH.new_empty((plan.order_A.numel(), H))
-        recv, d_mark = (started[2], started[3]) if started else ([None] * C, [None] * C)
+        recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
         for c in range(C if keep else 0):  # router-weight gradient: <g, combined output>
             a0, a1 = pipe.arange(c)
-            g_wA[a0:a1] = (g_TH[metas[c][0]].float() * y_A[a0:a1].float()).sum(-1).to(g_wA.dtype)
+            g_wA[a0:a1] = row_dot(g_TH[metas[c][0]], y_A[a0:a1]).to(g_wA.dtype)
+        # The weight-gradient operands of all chunks, chunk-major, written in place as each
+        # chunk's dgrad produces them; the wgrad itself is delayed to the end of the layer.
+        M = [sum(r) for r in plan.recv]
+        B = [sum(M[:c]) for c in range(C)]
+        gy_all = g_TH.new_empty((sum(M), H))
+        gh_all = g_TH.new_empty((sum(M), w_in.shape[2]))
+        a_all = g_TH.new_empty((sum(M), w_out.shape[1]))
 
         def dispatch(c):
             pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
-            a0, a1 = pipe.arange(c)
-            gx_TH.index_add_(0, metas[c][0], gx_A[a0:a1])
+            s, e = plan.bounds[c]
+            gx_TH[s:e] = gx_A[slice(*pipe.arange(c))][metas[c][3]].view(e - s, K, H).sum(1)
 
         for c in range(min(2, C)):
             if d_mark[c] is None and recv[c] is None:
                 dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            gy = recv[c][metas[c][1]]
+            rs = slice(B[c], B[c] + M[c])
+            gy, gh, a = gy_all[rs], gh_all[rs], a_all[rs]
+            torch.index_select(recv[c], 0, metas[c][1], out=gy)
             recv[c] = None
-            xg, h = saved[2 * c], saved[2 * c + 1]
-            rows = plan.expert_rows[c]
+            rows, offs = plan.expert_rows[c], plan.offs[c]
             a0, a1 = pipe.arange(c)
             if gy.shape[0]:
-                ga = grouped_mm(gy, w_out_t, rows, impl=impl)           # dgrad first ...
-                gh, a = swiglu_backward(h, ga)
-                gxg = grouped_mm(gh, w_in_t, rows, impl=impl)
+                ga = grouped_mm(gy, w_out_t, rows, offs, impl=impl)          # dgrad
+                swiglu_backward(hs[c], ga, out=(gh, a))
+                gxg = grouped_mm(gh, w_in_t, rows, offs, impl=impl)
             else:
                 gxg = gy
             c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
             if not keep:
                 # <gy, expert output> on the expert side (gy = w * g, so this is w * <g, y>),
                 # from the output recomputed with one GEMM, sent back beside dX.
-                gw_e = ((gy.float() * grouped_mm(a, w_out, rows, impl=impl).float()).sum(-1)
+                gw_e = (row_dot(gy, grouped_mm(a, w_out, rows, offs, impl=impl))
                         if gy.shape[0] else gy.new_zeros((0,), dtype=torch.float32))
                 gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
-            if gy.shape[0]:                                            # ... wgrad in the gap
-                dw_out += grouped_mm_wgrad(a, gy, rows, w_out, impl)
-                dw_in += grouped_mm_wgrad(xg, gh, rows, w_in, impl)
             if c:
                 accumulate(c - 1)
+        # The layer's weight gradients run under the last chunk's combine.
+        dw_out = _chunked_wgrad(a_all, gy_all, plan, w_out, impl)
+        del a_all, gy_all
+        dw_in = _chunked_wgrad(xg_all, gh_all, plan, w_in, impl)
         accumulate(C - 1)
         if not keep:
             st.compute_waits(gw_mark)
@@ -226,7 +299,7 @@ class _PipelinedExperts(torch.autograd.Function):
             # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
             # there, so any finite value is exact: 0.
             g_wA = torch.where(w > 0, gw_A / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
-        return gx_TH, g_wA, dw_in.to(w_in.dtype), dw_out.to(w_out.dtype), None, None
+        return gx_TH, g_wA, dw_in, dw_out, None, None
 
 
 class _FinishCombine(torch.autograd.Function):
@@ -235,13 +308,13 @@ class _FinishCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_partial, y_fill, pipe: ChunkPipeline):
-        mark, tok, y_rows, w_rows = pipe.last
+        mark, (s, e), tk, y_rows, w_rows = pipe.last
         pipe.last = None
         st = pipe.streams
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
         out = y_partial + y_fill
-        out.index_add_(0, tok, y_rows * w_rows[:, None].to(y_rows.dtype))
+        out[s:e] += combine_rows(y_rows, tk, w_rows, pipe.top_k)
         ctx.pipe = pipe
         return out
 
@@ -250,9 +323,9 @@ class _FinishCombine(torch.autograd.Function):
         pipe = ctx.pipe
         C = len(pipe.plan.bounds)
         g = g.contiguous()
-        metas = [pipe.meta(c) for c in range(C)]
+        metas = pipe.metas()
         recv, marks = [None] * C, [None] * C
         for c in range(min(2, C)):
             pipe.dispatch_grad(g, c, metas, recv, marks)
-        pipe.bwd_started = (g, metas, recv, marks)
+        pipe.bwd_started = (g, recv, marks)
         return g, g, None
