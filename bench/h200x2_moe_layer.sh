@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ "$STAGE" = main ]; then
   nvidia-smi topo -m > "$OUT/log.txt" 2>&1
-  timeout 200 python3 -m pytest -q -rfEs --tb=short -m "needs_cuda or needs_multi_gpu" tests/ \
+  [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q -rfEs --tb=short -m "needs_cuda or needs_multi_gpu" tests/ \
       > "$OUT/tests.txt" 2>&1; tail -12 "$OUT/tests.txt" | tee -a "$OUT/log.txt"
   timeout 300 python3 -m longmoe bench moe-layer --nproc 2 \
       --tokens 4096,8192,16384,32768,65536 --chunks 1,2,4,8 \

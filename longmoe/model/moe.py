@@ -105,7 +105,8 @@ class MoE(nn.Module):
         E, K = self.cfg.num_experts, self.cfg.top_k
         with torch.no_grad():
             stats = torch.cat([torch.bincount(idx_TK.reshape(-1), minlength=E).float(),
-                               torch.full((1,), float(idx_TK.shape[0]), device=probs_TE.device)])
+                               torch.full((1,), float(idx_TK.shape[0]), device=probs_TE.device,
+                                          dtype=probs_TE.dtype)])
             if self.batch_group is not None:
                 dist.all_reduce(stats, group=self.batch_group)
             counts_E, n_tok = stats[:E], stats[E]

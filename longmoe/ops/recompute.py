@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -76,7 +77,10 @@ def _selective_contexts(policy_fn):
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     storage: dict = collections.defaultdict(dict)
-    return Caching(policy_fn, storage), Cached(policy_fn, storage)
+    # torch 2.11 requires allow_cache_entry_mutation; later versions default it (same meaning).
+    extra = ({"allow_cache_entry_mutation": False}
+             if "allow_cache_entry_mutation" in inspect.signature(Cached.__init__).parameters else {})
+    return Caching(policy_fn, storage), Cached(policy_fn, storage, **extra)
 
 
 class Recompute(nn.Module):

@@ -161,10 +161,24 @@ def _chunked_wgrad(x_all, dy_all, plan: RoutePlan, w, impl):
     C, L = len(plan.bounds), w.shape[0]
     if x_all.shape[0] == 0:
         return torch.zeros_like(w)
-    sizes = [n for rows in plan.expert_rows for n in rows]
-    offs = plan.rows_CL.reshape(-1).cumsum(0).to(torch.int32) if C > 1 else plan.offs[0]
-    parts = grouped_mm_wgrad(x_all, dy_all, sizes, w, impl, offs)
-    return parts if C == 1 else parts.view(C, L, *w.shape[1:]).sum(0)
+    if C == 1:
+        return grouped_mm_wgrad(x_all, dy_all, plan.expert_rows[0], w, impl, plan.offs[0])
+    # torch._grouped_mm takes at most 1024 groups: batches of chunks, summed in fp32 across.
+    per = max(1, _MAX_GROUPS // L)
+    acc, row0, acc_dtype = None, 0, torch.promote_types(w.dtype, torch.float32)
+    for c0 in range(0, C, per):
+        cs = range(c0, min(C, c0 + per))
+        sizes = [n for c in cs for n in plan.expert_rows[c]]
+        n = sum(sizes)
+        offs = plan.rows_CL[c0:c0 + len(cs)].reshape(-1).cumsum(0).to(torch.int32)
+        parts = grouped_mm_wgrad(x_all[row0:row0 + n], dy_all[row0:row0 + n], sizes, w, impl, offs)
+        part = parts.view(len(cs), L, *w.shape[1:]).sum(0, dtype=acc_dtype)
+        acc = part if acc is None else acc.add_(part)
+        row0 += n
+    return acc.to(w.dtype)
+
+
+_MAX_GROUPS = 512
 
 
 class _PipelinedExperts(torch.autograd.Function):
