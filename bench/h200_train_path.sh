@@ -12,7 +12,7 @@ TYPES=${TYPES:-[linear_attention,linear_attention,linear_attention,full_attentio
 [ "$TYPES" = full ] && TYPES="[$(yes full_attention | head -n "$LAYERS" | paste -sd,)]"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m longmoe bench train-path --config gpu_smoke --nproc "$NPROC" --tokens 32768,65536 \
+python3 -m longmoe bench train-path --config gpu_smoke --nproc "$NPROC" --tokens "${TOKENS:-32768,65536}" \
     --steps 6 --set model.num_layers="$LAYERS" --set "model.layer_types=$TYPES" \
     --set parallel.ep="$NPROC" \
     --set data.prompt_len=1024 --set train.nproc="$NPROC" --timeout "${RUN_TIMEOUT:-540}" \

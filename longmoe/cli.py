@@ -119,7 +119,7 @@ def _cmd_bench_path(a) -> int:
         extra[k.strip()] = v
     stages = a.stages.split(",") if a.stages else None
     report = run_path(a.config, a.nproc, _ints(a.tokens, "--tokens"), a.steps, extra, stages,
-                      a.timeout)
+                      a.timeout, a.out)
     write_report(report, a.out)
     return 0
 

@@ -61,7 +61,7 @@ def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, ti
 
 
 def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict,
-             stages: list[str] | None = None, timeout: int = 1800) -> dict:
+             stages: list[str] | None = None, timeout: int = 1800, out: str | None = None) -> dict:
     from longmoe.backends import active_backend
     backend = active_backend()
     names = [s for s, _ in STAGES]
@@ -82,6 +82,9 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
                     continue
                 res = _run(config, nproc, acc, steps, Path(tmp) / f"{name}-{T}.jsonl", timeout)
                 report["runs"].append({"stage": name, "tokens_per_gpu": T, **res})
+                if out:  # after every run: a sweep cut short keeps what it measured
+                    Path(out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(out).write_text(json.dumps(report, indent=1))
                 print(f"T={T:>6} {name:<12} " + (
                     f"{res['hw_tflops_per_gpu']:.1f} hw TFLOPS/GPU, peak {res['peak_mem_gib']:.1f}"
                     f" GiB, loss {res['last_loss']:+.4f}" if res["status"] == "ok"
