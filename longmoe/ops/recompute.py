@@ -15,7 +15,6 @@ Implementations (registry "recompute"):
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 
@@ -76,8 +75,10 @@ def _selective_contexts(policy_fn):
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    storage: dict = collections.defaultdict(dict)
-    # torch 2.11 requires allow_cache_entry_mutation; later versions default it (same meaning).
+    # The storage's shape differs across torch versions (defaultdict of lists in 2.11, of dicts
+    # later): take the one torch's own contexts build. torch 2.11 also requires
+    # allow_cache_entry_mutation; later versions default it (same meaning).
+    storage = create_selective_checkpoint_contexts(policy_fn)[0].storage
     extra = ({"allow_cache_entry_mutation": False}
              if "allow_cache_entry_mutation" in inspect.signature(Cached.__init__).parameters else {})
     return Caching(policy_fn, storage), Cached(policy_fn, storage, **extra)
