@@ -33,17 +33,15 @@ def _torch_check(x_MK, w_GKN, sizes):
 
 @GROUPED_MM.register("torch", priority=10, check=_torch_check)
 def _torch_grouped(x_MK, w_GKN, sizes, offs=None):
-    if offs is None:
-        offs = torch.tensor(sizes, device=x_MK.device).cumsum(0).to(torch.int32)
-    return torch._grouped_mm(x_MK, w_GKN, offs=offs)
+    return torch._grouped_mm(x_MK, w_GKN, offs=_offs(sizes, x_MK.device) if offs is None else offs)
 
 
 def _triton_check(x_MK, w_GKN, sizes):
     from longmoe.ops.kernels import triton_ready
     if x_MK.device.type != "cpu" and x_MK.element_size() > 2:
-        # Its tiles are sized for 2-byte inputs (fp32 needs twice the shared memory; sm_90's
-        # 128x128x64 tile asked for 288 KiB) and fp32 dots would round through tf32: the loop
-        # keeps fp32 exact.
+        # Its tiles are sized for 2-byte inputs (fp32 needs twice the shared memory: the largest
+        # shipped tile asked for 288 KiB) and fp32 dots would round through tf32: the loop keeps
+        # fp32 exact.
         return f"the Triton grouped GEMM takes 2-byte inputs on a GPU, not {x_MK.dtype}"
     return triton_ready(x_MK.device)
 

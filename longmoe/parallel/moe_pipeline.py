@@ -97,6 +97,14 @@ class ChunkPipeline:
         s, e = self.plan.bounds[c]
         return s * self.top_k, e * self.top_k
 
+    def row_slices(self) -> list[slice]:
+        """Where each chunk's received rows sit in the layer's chunk-major row buffers."""
+        out, base = [], 0
+        for r in self.plan.recv:
+            out.append(slice(base, base + sum(r)))
+            base += sum(r)
+        return out
+
     def metas(self):
         """Per chunk: (token of each sent row, received->expert-major gather, its inverse, and
         the gather putting the chunk's sorted rows back in (token, k) order for the combine).
@@ -109,16 +117,15 @@ class ChunkPipeline:
             tok_A = p.order_A // K
             tk_A = torch.empty_like(p.order_A)
             tk_A[p.order_A] = torch.arange(A, device=dev)
-            M = [sum(r) for r in p.recv]
-            perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), sum(M))
+            rs = self.row_slices()
+            perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
             inv_all = torch.empty_like(perm_all)
             inv_all[perm_all] = torch.arange(perm_all.numel(), device=dev)
-            out, base = [], 0
-            for c in range(len(p.bounds)):
+            out = []
+            for c, r in enumerate(rs):
                 a0, a1 = self.arange(c)
-                out.append((tok_A[a0:a1], perm_all[base:base + M[c]] - base,
-                            inv_all[base:base + M[c]] - base, tk_A[a0:a1] - a0))
-                base += M[c]
+                out.append((tok_A[a0:a1], perm_all[r] - r.start, inv_all[r] - r.start,
+                            tk_A[a0:a1] - a0))
             self._metas = out
         return self._metas
 
@@ -190,9 +197,8 @@ class _PipelinedExperts(torch.autograd.Function):
         keep = pipe.keep_outputs
         # The expert-major inputs of all chunks in one chunk-major buffer, so the backward's
         # weight gradient reads them without a copy.
-        M = [sum(r) for r in plan.recv]
-        B = [sum(M[:c]) for c in range(C)]
-        xg_all = x_TH.new_empty((sum(M), H))
+        rs = pipe.row_slices()
+        xg_all = x_TH.new_empty((rs[-1].stop, H))
         # Combined expert outputs: one buffer kept for the backward, or one per chunk, dropped
         # once accumulated (the backward then rebuilds what it needs on the expert side).
         y_A = x_TH.new_empty((plan.order_A.numel(), H)) if keep else x_TH.new_empty((0, H))
@@ -215,7 +221,7 @@ class _PipelinedExperts(torch.autograd.Function):
             dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            xg = xg_all[B[c]:B[c] + M[c]]
+            xg = xg_all[rs[c]]
             torch.index_select(recv[c], 0, metas[c][1], out=xg)
             recv[c] = None
             h, yg = _experts_fwd(xg, w_in, w_out, plan.expert_rows[c], plan.offs[c], impl)
@@ -260,11 +266,10 @@ class _PipelinedExperts(torch.autograd.Function):
             g_wA[a0:a1] = row_dot(g_TH[metas[c][0]], y_A[a0:a1]).to(g_wA.dtype)
         # The weight-gradient operands of all chunks, chunk-major, written in place as each
         # chunk's dgrad produces them; the wgrad itself is delayed to the end of the layer.
-        M = [sum(r) for r in plan.recv]
-        B = [sum(M[:c]) for c in range(C)]
-        gy_all = g_TH.new_empty((sum(M), H))
-        gh_all = g_TH.new_empty((sum(M), w_in.shape[2]))
-        a_all = g_TH.new_empty((sum(M), w_out.shape[1]))
+        rs = pipe.row_slices()
+        gy_all = g_TH.new_empty((rs[-1].stop, H))
+        gh_all = g_TH.new_empty((rs[-1].stop, w_in.shape[2]))
+        a_all = g_TH.new_empty((rs[-1].stop, w_out.shape[1]))
 
         def dispatch(c):
             pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
@@ -279,8 +284,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            rs = slice(B[c], B[c] + M[c])
-            gy, gh, a = gy_all[rs], gh_all[rs], a_all[rs]
+            gy, gh, a = gy_all[rs[c]], gh_all[rs[c]], a_all[rs[c]]
             torch.index_select(recv[c], 0, metas[c][1], out=gy)
             recv[c] = None
             rows, offs = plan.expert_rows[c], plan.offs[c]
