@@ -40,14 +40,17 @@ def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, ti
         cmd += ["--set", f"{k}={v}"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "cmd": " ".join(cmd[2:])}
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    except subprocess.TimeoutExpired as e:  # keep what the run printed and the steps it finished
+        rows = _rows(metrics)
+        return {"status": "timeout", "cmd": " ".join(cmd[2:]), "steps_done": len(rows),
+                "step_time_s": [r.get("step_time_s") for r in rows],
+                "log_tail": _tail(e.stdout) + _tail(e.stderr)}
+    rows = _rows(metrics)
     out = {"cmd": " ".join(cmd[2:]), "returncode": p.returncode}
     if p.returncode != 0 or not rows:
         err = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         oom = "out of memory" in p.stderr.lower()
-        out.update(status="oom" if oom else "failed", error=err[-300:])
+        out.update(status="oom" if oom else "failed", error=err[-300:], log_tail=_tail(p.stderr))
         return out
     timed = rows[1:] or rows
     med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
@@ -56,8 +59,19 @@ def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, ti
                mfu=med("mfu") if any(r.get("mfu") for r in timed) else None,
                tokens_per_s=med("tokens_per_s"), step_time_s=med("step_time_s"),
                peak_mem_gib=max(r["peak_mem_bytes"] for r in rows) / 2**30,
-               first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"])
+               first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
+               step_times_s=[r.get("step_time_s") for r in rows], log_tail=_tail(p.stdout, 4))
     return out
+
+
+def _rows(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def _tail(text, n: int = 8) -> list[str]:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "").strip().splitlines()[-n:]
 
 
 def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict,
