@@ -35,7 +35,11 @@ def _cmd_train(a) -> int:
     if a.resume and not a.checkpoint_dir:
         raise UserError("--resume: needs --checkpoint-dir")
     run = load_run_config(a.config, overrides)
-    opts = RunOptions(metrics_out=a.metrics_out, checkpoint_dir=a.checkpoint_dir, resume=a.resume)
+    if a.checkpoint_dir and not run.parallel.fsdp and run.parallel.param_dtype != "float32":
+        raise UserError("parallel.fsdp: checkpoints of fsdp=false runs need param_dtype=float32 "
+                        f"(got {run.parallel.param_dtype}: fp32 master copies are not saved)")
+    opts = RunOptions(metrics_out=a.metrics_out, checkpoint_dir=a.checkpoint_dir, resume=a.resume,
+                      profile_dir=a.profile)
     return launch(run, run.train.nproc, opts)
 
 
@@ -119,7 +123,7 @@ def _cmd_bench_path(a) -> int:
         extra[k.strip()] = v
     stages = a.stages.split(",") if a.stages else None
     report = run_path(a.config, a.nproc, _ints(a.tokens, "--tokens"), a.steps, extra, stages,
-                      a.timeout, a.out)
+                      a.timeout, a.out, a.profile)
     write_report(report, a.out)
     return 0
 
@@ -137,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--metrics-out", help="write one JSON object per step to this file")
     t.add_argument("--checkpoint-dir", help="save DCP checkpoints here")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    t.add_argument("--profile", metavar="DIR",
+                   help="profile the third step: per-rank op table and Chrome trace into DIR")
     t.set_defaults(fn=_cmd_train)
 
     d = sub.add_parser("doctor", help="backend, devices, versions, what is missing")
@@ -193,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--stages", help="comma list of stages to run (default: all)")
     bp.add_argument("--timeout", type=int, default=1800, help="seconds per stage")
     bp.add_argument("--out", help="write the JSON report here")
+    bp.add_argument("--profile", metavar="DIR",
+                    help="profile each run's third step into DIR/<stage>-<tokens>/")
     bp.set_defaults(fn=_cmd_bench_path)
 
     k = sub.add_parser("kernels", help="compile-check every Triton kernel config per GPU target")

@@ -33,9 +33,12 @@ STAGES = [
 ]
 
 
-def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, timeout: int):
+def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, timeout: int,
+         profile: str | None = None):
     cmd = [sys.executable, "-m", "longmoe", "train", "--config", config, "--nproc", str(nproc),
            "--steps", str(steps), "--metrics-out", str(metrics)]
+    if profile:
+        cmd += ["--profile", profile]
     for k, v in overrides.items():
         cmd += ["--set", f"{k}={v}"]
     try:
@@ -75,7 +78,8 @@ def _tail(text, n: int = 8) -> list[str]:
 
 
 def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict,
-             stages: list[str] | None = None, timeout: int = 1800, out: str | None = None) -> dict:
+             stages: list[str] | None = None, timeout: int = 1800, out: str | None = None,
+             profile: str | None = None) -> dict:
     from longmoe.backends import active_backend
     backend = active_backend()
     names = [s for s, _ in STAGES]
@@ -94,7 +98,9 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
                 acc = {**acc, **change}
                 if stages and name not in stages:
                     continue
-                res = _run(config, nproc, acc, steps, Path(tmp) / f"{name}-{T}.jsonl", timeout)
+                tag = f"{name.strip('+').replace(' ', '_')}-{T}"
+                res = _run(config, nproc, acc, steps, Path(tmp) / f"{tag}.jsonl", timeout,
+                           str(Path(profile) / tag) if profile else None)
                 report["runs"].append({"stage": name, "tokens_per_gpu": T, **res})
                 if out:  # after every run: a sweep cut short keeps what it measured
                     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -106,19 +106,21 @@ def finish_grads(model: nn.Module, layout: Layout, fsdp: bool):
             g.div_(layout.ep)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=None) -> float:
     """Global L2 norm over every gradient element exactly once, whatever its sharding: DTensor
-    shards are disjoint across the world; replicated plain tensors are counted 1/copies."""
+    shards are disjoint across the world; replicated plain tensors are counted 1/copies.
+    grad_of(p) gives the gradient to use for parameter p (fp32 master gradients); default p.grad."""
     experts = _expert_param_ids(model)
     sq = None
     grads = []
     for p in model.parameters():
-        if p.grad is None:
+        grad = p.grad if grad_of is None else grad_of(p)
+        if grad is None:
             continue
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g = grad.to_local() if isinstance(grad, DTensor) else grad
         grads.append(g)
         copies = 1
-        if not isinstance(p.grad, DTensor):
+        if not isinstance(grad, DTensor):
             copies = layout.world // layout.ep if id(p) in experts else layout.world
         s = g.detach().float().pow(2).sum() / copies
         sq = s if sq is None else sq + s

@@ -4,7 +4,10 @@ batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW,
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +23,8 @@ from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
 from longmoe.train.data import make_source
 from longmoe.train.progress import Progress
-from longmoe.train.setup import build_model, clip_grad_norm
+from longmoe.train.precision import MasterWeights
+from longmoe.train.setup import build_model, clip_grad_norm, torch_dtype
 from longmoe.train.step import forward_backward, global_token_count, local_batch
 
 
@@ -29,6 +33,7 @@ class RunOptions:
     metrics_out: str | None = None
     checkpoint_dir: str | None = None
     resume: bool = False
+    profile_dir: str | None = None   # profile one step (the third, or the last of fewer)
 
 
 def resolve_backend(device: str) -> Backend:
@@ -52,6 +57,27 @@ def _sum(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
+def step_profiler(backend: Backend):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if backend.device_type != "cpu":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)  # also HIP kernels on ROCm builds
+    return torch.profiler.profile(activities=acts, record_shapes=True)
+
+
+def write_profile(prof, out_dir: str, rank: int, backend: Backend):
+    """Per rank: the op table sorted by device time (host time on CPU) and a gzipped Chrome trace."""
+    os.makedirs(out_dir, exist_ok=True)
+    key = "self_cpu_time_total" if backend.device_type == "cpu" else "self_device_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70)
+    with open(os.path.join(out_dir, f"ops_rank{rank}.txt"), "w") as f:
+        f.write(table)
+    raw = os.path.join(out_dir, f"trace_rank{rank}.json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
 def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.device) -> dict:
     """Runs on every rank inside an initialised process group (or alone). Returns rank 0's summary."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -60,9 +86,12 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
     model = build_model(run, layout, device)
     o = run.optim
+    master = None
+    if not (run.parallel.fsdp and layout.dp_mesh is not None) and run.parallel.param_dtype != "float32":
+        master = MasterWeights(model, torch_dtype(run.parallel.param_dtype))
     # foreach=False: expert DTensors live on another mesh than the dense ones, and a foreach
     # kernel over both is not verified on GPUs yet (on CPU torch never takes the foreach path).
-    optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+    optim = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                               weight_decay=o.weight_decay, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
@@ -100,17 +129,27 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         global_tokens = global_token_count(batch, layout)
         backend.synchronize()
         backend.reset_peak_memory()
+        prof = (step_profiler(backend) if opts.profile_dir
+                and step == min(start + 2, run.train.steps - 1) else None)
         t0 = time.perf_counter()
-
-        loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens, positions)
-        gnorm = clip_grad_norm(model, o.grad_clip, layout)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        sched.step()
-        for moe in model.moe_layers():
-            moe.router.update_expert_bias()
-        backend.synchronize()
+        with prof or contextlib.nullcontext():
+            loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens, positions)
+            if master:
+                master.grads_to_master()
+            gnorm = clip_grad_norm(model, o.grad_clip, layout, master.grad_of if master else None)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            if master:
+                master.master_to_model()
+            sched.step()
+            for moe in model.moe_layers():
+                moe.router.update_expert_bias()
+            backend.synchronize()
         dt = time.perf_counter() - t0
+        if prof is not None:
+            write_profile(prof, opts.profile_dir, rank, backend)
+            progress.info(f"profile of step {step + 1} (timed with the profiler on): "
+                          f"{opts.profile_dir}")
 
         keys = ["entropy", "logprob_sum", "clip_frac"]
         vals = _sum([float(loss), float(aux), batch.num_tokens]
