@@ -86,11 +86,17 @@ def _chunked(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     q_dec = q * gam64.exp().float()[..., None]
     k_end = k * (gam64[..., -1:] - gam64).float().exp()[..., None]
     S = (q.new_zeros(B, Hv, dk, dv) if initial_state is None else initial_state.float())
+    # Per-chunk views through unbind, not x[:, :, c]: the backward of unbind is one stack, while
+    # each indexed view's backward writes a zero-filled full-size gradient (n chunks -> n^2 work;
+    # 3.4 s of a 5.3 s step at 32K tokens on an H200).
+    step_decay = gam64[..., -1].exp().float()[..., None, None]    # [B, Hv, n, 1, 1]
+    k_end_t = k_end.transpose(-1, -2)
     outs = []
-    for c in range(n):
-        u = u_part[:, :, c] - w[:, :, c] @ S
-        outs.append(q_dec[:, :, c] @ S + attn[:, :, c] @ u)
-        S = S * gam64[:, :, c, -1, None, None].exp().float() + k_end[:, :, c].transpose(-1, -2) @ u
+    for u_c, w_c, qd_c, a_c, ke_c, d_c in zip(*(x.unbind(2) for x in (
+            u_part, w, q_dec, attn, k_end_t, step_decay))):
+        u = u_c - w_c @ S
+        outs.append(qd_c @ S + a_c @ u)
+        S = S * d_c + ke_c @ u
     o = torch.cat(outs, 2)[:, :, :T]
     return o.transpose(1, 2), S
 
