@@ -45,6 +45,32 @@ def _cmd(a) -> int:
     return 0
 
 
+def _cmd_calibrate(a) -> int:
+    from pathlib import Path
+    from longmoe.config import get_preset
+    from longmoe.errors import UserError
+    from longmoe.plan.hardware import get_hardware
+    from longmoe.tuning import calibrate
+    from longmoe.tuning.cost_model import _CAL, calibration
+    try:
+        sweep = json.loads(Path(a.from_file).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--from: cannot read {a.from_file}: {e}") from None
+    cal = calibrate.fit(sweep, get_preset(a.model), get_hardware(a.hardware), calibration())
+    out = Path(a.out) if a.out else _CAL
+    calibrate.write(cal, out)
+    f = cal["_fit"]
+    print(f"calibration fitted to {f['rows']} layer rows: median error {f['median_rel_error']:.1%}, "
+          f"max {f['max_rel_error']:.1%}; written to {out}")
+    for k in ("gemm_fraction_of_peak", "a2a_fraction_of_link", "symmetric_memory_speed"):
+        print(f"  {k} = {cal[k]['value']}")
+    for k in ("non_gemm", "chunk_overhead"):
+        print(f"  {k} = {cal[k]['fixed_us']} us + {cal[k]['passes']} HBM passes")
+    for tr, v in cal["hide"].items():
+        print(f"  hide[{tr}] = {v['value']}")
+    return 0
+
+
 def add_parser(sub):
     t = sub.add_parser("tune", help="measure and cache tuned settings for this machine")
     tsub = t.add_subparsers(dest="tcmd", required=True)
@@ -66,3 +92,9 @@ def add_parser(sub):
     c.add_argument("--transport", default="process_group", help="with --predict")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=_cmd)
+    k = tsub.add_parser("calibrate", help="fit the chunk cost model to a `bench moe-layer` sweep")
+    k.add_argument("--from", dest="from_file", required=True, help="bench moe-layer JSON")
+    k.add_argument("--hardware", default="h200", help="the machine the sweep ran on")
+    k.add_argument("--model", default="qwen3.5-35b-a3b", help="the sweep's model preset")
+    k.add_argument("--out", help="calibration file to write (default: the shipped one)")
+    k.set_defaults(fn=_cmd_calibrate)

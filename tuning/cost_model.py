@@ -1,17 +1,23 @@
 """A cost model for the chunk count: predicts one MoE layer's forward+backward time against the
-number of chunks from GEMM throughput and all-to-all bandwidth, for hardware we cannot run.
+number of chunks from GEMM throughput, all-to-all bandwidth and HBM bandwidth, for hardware we
+cannot run.
 
-Per rank, with A = T*K assignments, M rows received (balanced: M = A), L local experts, S = EP:
+Per rank, with A = T*K assignments, M rows received (balanced: M = A), L local experts, S = EP and
+X = A*H*bytes / HBM bandwidth (one pass over the layer's activations):
 
-  T_gemm(C) = 18*M*H*F / (peak * f_gemm * r/(r + r_half)),   r = M / (C*L) rows per expert
-  T_comm(C) = 4 * (A*H*bytes*(S-1)/S / bw + C*latency)       4 all-to-alls per layer fwd+bwd
-  T(C)      = T_gemm + T_comm - hide * (1 - 1/C) * min(T_gemm, T_comm)
+  T_gemm(C)  = 18*M*H*F / (peak * f_gemm * r/(r + r_half)),   r = M / (C*L) rows per expert
+  T_comm(C)  = 4 * (A*H*bytes*(S-1)/S / bw + C*latency)       4 all-to-alls per layer fwd+bwd
+  T_other    = other_fixed + other_passes * X                 routing, permutes, SwiGLU, combine
+  T_chunk    = chunk_fixed + chunk_passes * X                 what each extra chunk adds
+  T(C)       = T_gemm + T_comm + T_other + (C-1)*T_chunk - hide * (1 - 1/C) * min(T_gemm, T_comm)
 
 The (1 - 1/C) factor is the pipeline's own limit: the first dispatch and the last combine of each
 direction have nothing to hide under. `hide` is how much of an overlapped transfer actually
-disappears (the collective slows the GEMM it runs beside). Every figure comes from
-calibration.json (measured on H200 or stated as an assumption) and hardware.json; the output is
-labelled a prediction.
+disappears inside the layer. f_gemm, the link fraction, the non-GEMM and per-chunk terms and
+`hide` are fitted to a measured 2xH200 sweep by `longmoe tune calibrate` (calibrate.py);
+r_half, latency and the xGMI per-peer links are stated assumptions (calibration.json). Moving
+the fit to other hardware assumes the same software costs scaled by its peak, links and HBM;
+the output is labelled a prediction.
 """
 
 from __future__ import annotations
@@ -30,18 +36,19 @@ def calibration() -> dict:
     return json.loads(_CAL.read_text())
 
 
-def _link_bw(hw, ep: int) -> float:
+def _link_bw(hw, ep: int, cal: dict) -> float:
     """Bytes/s one rank sends to the rest of its EP group (one node)."""
-    cal = calibration()
     per_peer = cal["per_peer_link_gb_s"].get(hw.key)
     if per_peer is not None:  # full mesh: one link per peer, used in parallel
         return per_peer["value"] * 1e9 * (ep - 1)
     return hw.intra_node_gb_s * 1e9 * cal["a2a_fraction_of_link"]["value"]  # switched fabric
 
 
-def layer_time(hw, cfg, ep: int, local_tokens: int, chunks: int, transport: str,
-               dtype_bytes: int = 2) -> dict:
-    cal = calibration()
+def terms(hw, cfg, ep: int, local_tokens: int, chunks: int, transport: str, cal: dict | None = None,
+          dtype_bytes: int = 2) -> dict:
+    """The model's physical terms in seconds: expert GEMMs, all-to-alls, and one pass over the
+    layer's A*H activations at HBM speed (the unit of the memory-bound terms)."""
+    cal = cal or calibration()
     if transport not in cal["hide"]:
         raise UserError(f"--transport: no calibration for {transport!r}; "
                         f"known: {', '.join(cal['hide'])}")
@@ -51,14 +58,27 @@ def layer_time(hw, cfg, ep: int, local_tokens: int, chunks: int, transport: str,
     r = A / (chunks * L)
     eff = cal["gemm_fraction_of_peak"]["value"] * r / (r + cal["rows_half_efficiency"]["value"])
     t_gemm = 18 * A * H * F / (hw.bf16_dense_tflops * 1e12 * eff)
-    bw = _link_bw(hw, ep)
+    bw = _link_bw(hw, ep, cal)
     if transport == "symmetric_memory":
         bw *= cal["symmetric_memory_speed"]["value"]
     t_comm = 4 * (A * H * dtype_bytes * (ep - 1) / ep / bw
                   + chunks * cal["a2a_latency_us"]["value"] * 1e-6)
+    return {"gemm_s": t_gemm, "comm_s": t_comm, "hbm_s": A * H * dtype_bytes / (hw.hbm_tb_s * 1e12)}
+
+
+def layer_time(hw, cfg, ep: int, local_tokens: int, chunks: int, transport: str,
+               dtype_bytes: int = 2, cal: dict | None = None) -> dict:
+    cal = cal or calibration()
+    t = terms(hw, cfg, ep, local_tokens, chunks, transport, cal, dtype_bytes)
+    ng, co = cal["non_gemm"], cal["chunk_overhead"]
+    other = ng["fixed_us"] * 1e-6 + ng["passes"] * t["hbm_s"]
+    per_chunk = co["fixed_us"] * 1e-6 + co["passes"] * t["hbm_s"]
     hide = cal["hide"][transport]["value"]
-    total = t_gemm + t_comm - hide * (1 - 1 / chunks) * min(t_gemm, t_comm)
-    return {"chunks": chunks, "ms": total * 1e3, "gemm_ms": t_gemm * 1e3, "comm_ms": t_comm * 1e3}
+    total = (t["gemm_s"] + t["comm_s"] + other + (chunks - 1) * per_chunk
+             - hide * (1 - 1 / chunks) * min(t["gemm_s"], t["comm_s"]))
+    return {"chunks": chunks, "ms": total * 1e3, "gemm_ms": t["gemm_s"] * 1e3,
+            "comm_ms": t["comm_s"] * 1e3, "other_ms": other * 1e3,
+            "chunk_overhead_ms": (chunks - 1) * per_chunk * 1e3}
 
 
 def predict(hardware: str, cfg, ep: int, seq_lens: list[int], chunks: list[int],
