@@ -11,7 +11,8 @@ value heads (GQA-style). Legend: B batch, T tokens, Hk key heads, Hv value heads
 Implementations (registry "gated_delta"):
   recurrent  one token at a time: the definition above; the reference (slow; tests only).
   chunked    chunks of C tokens: within a chunk the writes are solved at once with a unit-lower-
-             triangular system (WY form), across chunks the state is carried; all fp32. Runs
+             triangular system (WY form), across chunks the state is carried by an affine
+             recurrence with its own backward (AffineScan); all fp32. Runs
              everywhere and takes an initial state, which context parallelism needs.
   fla        flash-linear-attention's Triton kernel (`fla.ops.gated_delta_rule`) when the package
              is installed and the tensors are on a GPU.
@@ -24,6 +25,47 @@ import torch
 from longmoe.ops.registry import Registry
 
 GATED_DELTA = Registry("gated_delta")
+
+
+class AffineScan(torch.autograd.Function):
+    """S_{c+1} = M_c S_c + N_c for c = 0..n-1, returning all n+1 states [n+1, b, dk, dv].
+
+    One baddbmm per step each way. Autograd of the plain loop would keep every step's state twice
+    (the baddbmm's input and the stacked copy) and run ~3 kernels per step in the backward; here
+    the forward writes the states into one buffer, and the backward runs the adjoint recurrence
+    dS_c = g_c + M_c^T dS_{c+1} step by step, then gets every dM_c = dS_{c+1} S_c^T in one
+    batched GEMM. Saved: M and the states."""
+
+    @staticmethod
+    def forward(ctx, trans, inject, s0):
+        n = trans.shape[0]
+        states = s0.new_empty((n + 1,) + tuple(s0.shape))
+        states[0] = s0
+        for c in range(n):
+            torch.baddbmm(inject[c], trans[c], states[c], out=states[c + 1])
+        ctx.save_for_backward(trans, states)
+        return states
+
+    @staticmethod
+    def backward(ctx, g):
+        trans, states = ctx.saved_tensors
+        n = trans.shape[0]
+        d = torch.empty_like(states)
+        d[n] = g[n]
+        trans_t = trans.transpose(-1, -2)
+        for c in range(n - 1, -1, -1):
+            torch.baddbmm(g[c], trans_t[c], d[c + 1], out=d[c])
+        d_next = d[1:]
+        d_trans = d_next @ states[:-1].transpose(-1, -2)
+        return d_trans, d_next, d[0]
+
+
+def affine_scan_reference(trans, inject, s0):
+    """The plain loop AffineScan is paired against."""
+    out = [s0]
+    for c in range(trans.shape[0]):
+        out.append(trans[c] @ out[-1] + inject[c])
+    return torch.stack(out)
 
 
 def _prep(q, k, v, g, beta):
@@ -89,22 +131,20 @@ def _chunked(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     #   o_c     = q_dec_c S_c + attn_c U_c = (q_dec_c - attn_c W_c) S_c + attn_c u_part_c
     #   S_{c+1} = d_c S_c + k_end_c^T U_c  = (d_c I - k_end_c^T W_c) S_c + k_end_c^T u_part_c
     # Everything but the affine state recurrence S_{c+1} = M_c S_c + N_c is batched over chunks,
-    # so the sequential loop is one baddbmm per chunk (forward) instead of ~8 small kernels: at
-    # 32K tokens the loop's 512 steps of launches, not the GPU, set the layer's time.
+    # and that recurrence (AffineScan) is one baddbmm per chunk each way instead of ~8 small
+    # kernels: at 32K tokens the loop's 512 steps of launches, not the GPU, set the layer's time.
     k_end_t = k_end.transpose(-1, -2)                             # [B, Hv, n, dk, C]
     step_decay = gam64[..., -1].exp().float()[..., None, None]    # [B, Hv, n, 1, 1]
     trans = step_decay * torch.eye(dk, device=q.device) - k_end_t @ w        # M: [.., dk, dk]
     inject = k_end_t @ u_part                                               # N: [.., dk, dv]
     read = q_dec - attn @ w                                                 # [.., C, dk]
-    S = (q.new_zeros(B * Hv, dk, dv) if initial_state is None
-         else initial_state.float().reshape(B * Hv, dk, dv))
-    starts = []
-    for m_c, n_c in zip(trans.flatten(0, 1).unbind(1), inject.flatten(0, 1).unbind(1)):
-        starts.append(S)
-        S = torch.baddbmm(n_c, m_c, S)
-    S_starts = torch.stack(starts, 1).view(B, Hv, n, dk, dv)
+    S0 = (q.new_zeros(B * Hv, dk, dv) if initial_state is None
+          else initial_state.float().reshape(B * Hv, dk, dv))
+    states = AffineScan.apply(trans.flatten(0, 1).transpose(0, 1).contiguous(),
+                              inject.flatten(0, 1).transpose(0, 1).contiguous(), S0)
+    S_starts = states[:n].transpose(0, 1).reshape(B, Hv, n, dk, dv)
     o = (read @ S_starts + attn @ u_part).reshape(B, Hv, n * chunk, dv)[:, :, :T]
-    S = S.view(B, Hv, dk, dv)
+    S = states[n].view(B, Hv, dk, dv)
     return o.transpose(1, 2), S
 
 
