@@ -58,7 +58,7 @@ def _cmd_kernels(a) -> int:
     from longmoe.ops.kernels.aot import run_kernels_cli
     if a.target != "all" and a.target not in compile_targets():
         raise UserError(f"--target: unknown {a.target!r}; valid: all, {', '.join(compile_targets())}")
-    return run_kernels_cli(a.target, as_json=a.json)
+    return run_kernels_cli(a.target, as_json=a.json, fla=a.fla)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--target", default="all",
                     help="a compile target registered by longmoe.backends, or all (default)")
     kc.add_argument("--json", action="store_true")
+    kc.add_argument("--fla", action="store_true",
+                    help="flash-linear-attention's Gated DeltaNet kernels instead of ours")
     kc.set_defaults(fn=_cmd_kernels)
 
     from longmoe.plan.cli import add_parser as add_recipe_parser
