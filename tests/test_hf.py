@@ -54,8 +54,8 @@ def test_chunked_gated_delta_matches_recurrence(T, Hk, Hv, with_state, decay):
 
 @contextlib.contextmanager
 def _hide_fla():
-    """transformers binds Gated DeltaNet to flash-linear-attention when the package imports,
-    whatever the device; fla's kernels need a GPU (the dev extra installs fla for its compile
+    """transformers binds Gated DeltaNet to fla (flash-linear-attention) when that package imports,
+    whatever the device; fla's kernels need a GPU (the dev extra installs fla-core for its compile
     check). While transformers' model modules import, make `import fla` fail so they bind their
     own torch path; fla itself stays importable afterwards."""
     saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
