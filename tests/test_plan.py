@@ -290,3 +290,28 @@ def test_recipe_command_end_to_end(tmp_path):
                           "--hardware", "h100", "--gpus", "8", "--seq-len", "4096"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("dk,dv", [(128, 128), (32, 96)])
+def test_linear_attention_bytes_match_the_saved_tensors(dk, dv):
+    # The estimator's per-token count for the chunked Gated DeltaNet core against the tensors
+    # autograd actually keeps (saved_tensors_hooks, unique storages, bf16 layer on CPU): the
+    # difference between 1024 and 512 tokens, so per-layer constants (weights) cancel.
+    import torch
+    from longmoe.model.deltanet import GatedDeltaNet
+    from longmoe.plan.memory import linear_attention_bytes
+    cfg = get_preset("qwen3.5-35b-a3b").replace(linear_key_head_dim=dk, linear_value_head_dim=dv)
+    layer = GatedDeltaNet(cfg).to(torch.bfloat16)
+    kept = {}
+    for T in (512, 1024):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        kept[T] = sum(seen.values())
+    measured = (kept[1024] - kept[512]) / 512
+    assert abs(linear_attention_bytes(cfg) / measured - 1) < 0.06, (linear_attention_bytes(cfg), measured)

@@ -67,14 +67,14 @@ POINTS = [
                "GRPO loss; synthetic tokens route evenly (imbalance 1.0)"),
     Point("longmoe hybrid, 1 x H200, 32K", "our H200 run (docs/benchmarks/h200x1): 88.1 GiB",
           88.1 * GiB, Layout(1, 1, 1, 1, 1), Workload(32768, ep_chunks=1), num_layers=4,
-          note="4 layers (3 Gated DeltaNet + 1 attention), FSDP2 + full recompute + fused "
-               "linear-CE GRPO, 6 steps, max allocator peak"),
+          assumptions=Assumptions(linear_core="chunked"),
+          note="4 layers (3 Gated DeltaNet + 1 attention) with our chunked fp32 core, FSDP2 + "
+               "full recompute + fused linear-CE GRPO, 6 steps, max allocator peak"),
     Point("longmoe hybrid, 1 x H200, 64K", "our H200 run (docs/benchmarks/h200x1): 110.2 GiB",
           110.2 * GiB, Layout(1, 1, 1, 1, 1), Workload(65536, ep_chunks=1), num_layers=4,
-          within_10=False,
-          note="13% low: the estimator sizes every layer's recompute as full attention; our "
-               "fp32 Gated DeltaNet core's per-chunk intermediates (decay and attention "
-               "matrices, WY solves, chunk states) are larger"),
+          assumptions=Assumptions(linear_core="chunked"),
+          note="as the 32K point; with linear_core='kernel' (attention-sized) the estimate is "
+               "13% low"),
 ]
 
 

@@ -108,6 +108,12 @@ class Assumptions:
     context_gib: float = 3.0
     # dist_opt keeps its grad-reduce buckets; FSDP2 buffers are counted per unit instead.
     dist_opt_bucket_bytes: int = 512 * 2**20
+    # What a Gated DeltaNet layer keeps for backward. "kernel": a fused GPU kernel (fla, the
+    # seeds' stack), assumed to keep about what attention keeps (bf16 inputs plus per-chunk
+    # states); not measured. "chunked": longmoe's portable fp32 core, counted tensor by tensor
+    # (linear_attention_bytes; 3.8x attention's saved set per token for Qwen3.5), which is what
+    # runs on the H200 image until fla works there (docs/qwen35.md).
+    linear_core: str = "kernel"
 
 
 def param_split(cfg: ModelConfig) -> dict[str, int]:
@@ -153,8 +159,27 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
     # Alive only around the dispatch/combine: the all-to-all send/recv copies and, in backward,
     # their gradients (three H-wide copies and the FFN gradient at once).
     routed_transient = 3 * b * H + 2 * b * F
-    return {"layer_input": b * H, "attn": attn, "moe_dense": moe_dense,
-            "routed_saved": routed_saved, "routed_transient": routed_transient}
+    out = {"layer_input": b * H, "attn": attn, "moe_dense": moe_dense,
+           "routed_saved": routed_saved, "routed_transient": routed_transient, "linear_attn": 0}
+    if a.linear_core == "chunked" and any(cfg.layer_type(i) == "linear_attention"
+                                          for i in range(cfg.num_layers)):
+        out["linear_attn"] = linear_attention_bytes(cfg, a)
+    return out
+
+
+def linear_attention_bytes(cfg: ModelConfig, a: Assumptions = Assumptions(), chunk: int = 64) -> int:
+    """Bytes per token a Gated DeltaNet layer keeps for backward with the `chunked` core
+    (longmoe/ops/gated_delta.py), counted from its saved tensors per value head in fp32: the
+    [C, C] decay/attention/system matrices (6C), v-wide and k-wide chunk tensors (5 dv + 10 dk),
+    the chunk states twice and the transitions (2 dk dv / C + dk^2 / C); per key head the
+    normalised q/k (2 dk); and in the compute dtype the conv input and output, the core's output
+    and gate, and the norms. tests/test_plan.py checks it against saved_tensors_hooks on CPU."""
+    b = a.compute_bytes
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, C = cfg.linear_key_head_dim, cfg.linear_value_head_dim, chunk
+    conv_dim = 2 * hk * dk + hv * dv
+    fp32 = hv * (6 * C + 5 * dv + 10 * dk + 2 * dk * dv / C + dk * dk / C) + 2 * hk * dk
+    return int(4 * fp32 + b * (2 * conv_dim + 4 * hv * dv + 2 * cfg.hidden_size))
 
 
 TERMS = ("params", "grads", "optimizer", "activations", "working", "dispatch", "logits", "comm",
@@ -311,7 +336,10 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     if w.recompute == "none":      # everything is stored; backward adds gradient buffers only
         working = T * 2 * b * max(H, cfg.num_heads * cfg.head_dim)
     else:                          # the recomputed layer's saved set plus gradient buffers
-        side = act["moe_dense"] + (act["attn"] if w.recompute == "full" else 0)
+        # the largest token mixer: a Gated DeltaNet layer's chunked core keeps far more per
+        # token than attention does (activation_bytes: "linear_attn")
+        mixer = max(act["attn"], act["linear_attn"])
+        side = act["moe_dense"] + (mixer if w.recompute == "full" else 0)
         working = T * (side + 2 * b * H)
     n["working"] = "recomputed layer's saved set + gradients" if w.recompute != "none" \
         else "gradient buffers"
