@@ -21,7 +21,7 @@ import yaml
 from longmoe.config import PRESETS, ModelConfig, from_hf_config, get_preset
 from longmoe.errors import UserError
 from longmoe.plan.hardware import get_hardware, names as hardware_names
-from longmoe.plan.memory import GiB, Workload
+from longmoe.plan.memory import Assumptions, GiB, Workload
 from longmoe.plan.planner import HEADROOM, Plan, grid, plan
 
 
@@ -45,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="FSDP2 (longmoe) or a Megatron-style distributed optimizer (comparison)")
     r.add_argument("--logits", default="linear_ce", choices=["linear_ce", "naive"])
     r.add_argument("--ep-chunks", type=int, default=0, help="chunked EP pieces (0: tuning default)")
+    r.add_argument("--linear-core", default="kernel", choices=["kernel", "chunked"],
+                   help="Gated DeltaNet memory: a fused kernel (fla; attention-sized, assumed) or "
+                        "longmoe's chunked fp32 core (counted; what runs where fla cannot)")
     r.add_argument("--headroom", type=float, default=HEADROOM,
                    help="fraction of the budget kept free for estimator error "
                         f"(default {HEADROOM})")
@@ -73,12 +76,14 @@ def make_plan(a) -> tuple[Plan, ModelConfig]:
     cfg, hw = resolve_model(a.model), get_hardware(a.hardware)
     w = Workload(a.seq_len, a.micro_batch, a.recompute, a.sharding, a.logits == "linear_ce",
                  ep_chunks=a.ep_chunks)
-    return plan(cfg, hw, a.gpus, w, model_name=a.model, tp=a.tp, headroom=a.headroom), cfg
+    return plan(cfg, hw, a.gpus, w, model_name=a.model, tp=a.tp, headroom=a.headroom,
+                a=Assumptions(linear_core=a.linear_core)), cfg
 
 
 def run(a) -> int:
     p, cfg = make_plan(a)
-    cells = grid(cfg, p.hardware, p.gpus, p.workload, headroom=a.headroom) if a.explain else []
+    cells = (grid(cfg, p.hardware, p.gpus, p.workload, headroom=a.headroom,
+                  a=Assumptions(linear_core=a.linear_core)) if a.explain else [])
     if a.format == "table":
         print(render_table(p))
         if a.explain:
@@ -92,7 +97,8 @@ def run(a) -> int:
         print(json.dumps(d, indent=2) if a.format == "json" else
               yaml.safe_dump(d, sort_keys=False, width=100), end="\n" if a.format == "json" else "")
     if a.out:
-        text = run_config_yaml(p, command=" ".join(["longmoe", "recipe"] + _argv_of(a)))
+        text = run_config_yaml(p, command=" ".join(["longmoe", "recipe"] + _argv_of(a)),
+                               linear_core=a.linear_core)
         Path(a.out).write_text(text)
         print(f"wrote {a.out}", file=sys.stderr)
     return 0
@@ -105,6 +111,8 @@ def _argv_of(a) -> list[str]:
         out += ["--micro-batch", str(a.micro_batch)]
     if a.tp is not None:
         out += ["--tp", str(a.tp)]
+    if a.linear_core != "kernel":
+        out += ["--linear-core", a.linear_core]
     return out
 
 
@@ -130,7 +138,7 @@ def render_grid(cells) -> str:
     return "\n".join(out)
 
 
-def run_config(p: Plan) -> dict:
+def run_config(p: Plan, linear_core: str = "kernel") -> dict:
     """The `longmoe train` config for a plan (validated with longmoe.train.config.from_dict)."""
     w = p.workload
     if w.recompute == "selective":
@@ -140,6 +148,8 @@ def run_config(p: Plan) -> dict:
     model = {"preset": p.model} if p.model in PRESETS else {"hf_config": p.model}
     impl = ({"linear_ce": "auto"} if w.linear_ce
             else {"linear_ce": "naive", "policy_loss": "unfused"})
+    if linear_core == "chunked":  # the memory was planned for this core: run it
+        impl["gated_delta"] = "chunked"
     return {
         "model": model,
         "parallel": {"ep": p.layout.ep, "chunks": p.ep_chunks, "fsdp": True,
@@ -154,9 +164,9 @@ def run_config(p: Plan) -> dict:
     }
 
 
-def run_config_yaml(p: Plan, command: str) -> str:
+def run_config_yaml(p: Plan, command: str, linear_core: str = "kernel") -> str:
     from longmoe.train.config import from_dict
-    cfg = run_config(p)
+    cfg = run_config(p, linear_core)
     from_dict(cfg)   # the file must load as a RunConfig; a failure here is a planner bug
     lay = p.layout
     head = [f"# Planned by: {command}",
