@@ -25,16 +25,6 @@ import numpy as np
 from longmoe.errors import UserError
 
 
-def _sizes(cfg, ep: int, T: int, dtype_bytes: int = 2):
-    A = T * cfg.top_k
-    return A, cfg.num_experts // ep, A * cfg.hidden_size * dtype_bytes
-
-
-def _eff(cal: dict, A: int, L: int, chunks: int) -> float:
-    r = A / (chunks * L)
-    return r / (r + cal["rows_half_efficiency"]["value"])
-
-
 def fit(sweep: dict, cfg, hw, base: dict) -> dict:
     """Returns a new calibration dict: `base` with the fitted entries replaced."""
     layer = sweep.get("layer", {})
@@ -47,8 +37,6 @@ def fit(sweep: dict, cfg, hw, base: dict) -> dict:
             raise UserError(f"--from: the sweep's layer has {k}={layer.get(k)}, the model {v}")
     rows = [r for r in sweep["rows"] if r.get("priority", -1) == -1]
     cal = json.loads(json.dumps(base))
-    H, F = cfg.hidden_size, cfg.moe_ffn_size
-    peak, hbm = hw.bf16_dense_tflops * 1e12, hw.hbm_tb_s * 1e12
     src = (f"fitted by `longmoe tune calibrate` to {sweep.get('device')} EP{ep} sweep of "
            f"{sweep.get('date', '?')[:10]}")
     lat = cal["a2a_latency_us"]["value"] * 1e-6
@@ -64,13 +52,16 @@ def fit(sweep: dict, cfg, hw, base: dict) -> dict:
     comm = {t: alone("comm", t) for t in ("process_group", "symmetric_memory")}
     if not gemm or not comm["process_group"]:
         raise UserError("--from: the sweep has no GEMM-alone or process-group comm-alone rows")
-    fr = [18 * A * H * F / (peak * _eff(cal, A, L, 1) * t)
-          for T, t in gemm.items() for A, L, _ in [_sizes(cfg, ep, T)]]
+    from longmoe.tuning.cost_model import terms
+    # the model's GEMM time scales as 1 / f_gemm: refit f_gemm so it meets the measured time
+    f0 = cal["gemm_fraction_of_peak"]["value"]
+    fr = [f0 * terms(hw, cfg, ep, T, 1, "process_group", cal)["gemm_s"] / t
+          for T, t in gemm.items()]
     cal["gemm_fraction_of_peak"] = {"value": round(statistics.median(fr), 4), "source": src +
                                     f": expert GEMMs alone, median over lengths {sorted(gemm)}"}
     link = hw.intra_node_gb_s * 1e9
-    fl = [4 * X * (ep - 1) / ep / (t - 4 * lat) / link
-          for T, t in comm["process_group"].items() for _, _, X in [_sizes(cfg, ep, T)]]
+    fl = [4 * T * cfg.top_k * cfg.hidden_size * 2 * (ep - 1) / ep / (t - 4 * lat) / link
+          for T, t in comm["process_group"].items()]
     cal["a2a_fraction_of_link"] = {"value": round(statistics.median(fl), 4), "source": src +
                                    ": process-group all-to-alls alone, median over lengths"}
     sm = [(comm["process_group"][T] - 4 * lat) / (t - 4 * lat)
@@ -80,7 +71,6 @@ def fit(sweep: dict, cfg, hw, base: dict) -> dict:
         cal["symmetric_memory_speed"] = {"value": round(statistics.median(sm), 4), "source": src +
                                          ": process-group over copy-engine all-to-all time, latency taken off"}
 
-    from longmoe.tuning.cost_model import terms
     pts = [r for r in rows if r["kind"] == "layer" and r["transport"] in cal["hide"]]
     transports = sorted({r["transport"] for r in pts})
     design, y = [], []

@@ -140,8 +140,9 @@ def _chunked(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     read = q_dec - attn @ w                                                 # [.., C, dk]
     S0 = (q.new_zeros(B * Hv, dk, dv) if initial_state is None
           else initial_state.float().reshape(B * Hv, dk, dv))
-    states = AffineScan.apply(trans.flatten(0, 1).transpose(0, 1).contiguous(),
-                              inject.flatten(0, 1).transpose(0, 1).contiguous(), S0)
+    # [n, B*Hv, ...] views (baddbmm takes the strided batch as it is: no copies of M and N)
+    states = AffineScan.apply(trans.flatten(0, 1).transpose(0, 1),
+                              inject.flatten(0, 1).transpose(0, 1), S0)
     S_starts = states[:n].transpose(0, 1).reshape(B, Hv, n, dk, dv)
     o = (read @ S_starts + attn @ u_part).reshape(B, Hv, n * chunk, dv)[:, :, :T]
     S = states[n].view(B, Hv, dk, dv)

@@ -5,9 +5,7 @@ batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW,
 from __future__ import annotations
 
 import contextlib
-import gzip
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -71,11 +69,7 @@ def write_profile(prof, out_dir: str, rank: int, backend: Backend):
     table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70)
     with open(os.path.join(out_dir, f"ops_rank{rank}.txt"), "w") as f:
         f.write(table)
-    raw = os.path.join(out_dir, f"trace_rank{rank}.json")
-    prof.export_chrome_trace(raw)
-    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(raw)
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json.gz"))  # gzipped by torch
 
 
 def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.device) -> dict:
@@ -91,8 +85,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         master = MasterWeights(model, torch_dtype(run.parallel.param_dtype))
     # foreach=False: expert DTensors live on another mesh than the dense ones, and a foreach
     # kernel over both is not verified on GPUs yet (on CPU torch never takes the foreach path).
-    optim = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                              weight_decay=o.weight_decay, foreach=False)
+    optim = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=o.lr,
+                              betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
     source = make_source(run.data, run.model.vocab_size, run.train.seed)

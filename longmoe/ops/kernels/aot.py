@@ -80,9 +80,7 @@ def _configs_for(table: dict, key: str, target: str) -> list[tuple[str, dict]]:
 def compile_all(target: str, table: dict | None = None, only: str | None = None) -> list[CompileReport]:
     """Compile every config of the target vendor's shipped table (or of `table`); `only` keeps
     the kernel variants whose name starts with it."""
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     import longmoe.backends as lb
     from longmoe.backends.kernels import load_kernel_table
     t = compile_targets()[target]
@@ -98,18 +96,27 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None)
             opts = {"num_warps": cfg[warps_key], **{k: cfg[k] for k in t.launch_keys if k in cfg}}
             if "num_stages" in cfg:
                 opts["num_stages"] = cfg["num_stages"]
-            try:
-                src = ASTSource(fn=fn, signature=sig, constexprs=constexprs(cfg))
-                rep.regs, rep.spills, rep.shared = t.usage(triton.compile(src, target=gpu, options=opts))
-                rep.ok = (rep.spills == 0 and rep.regs <= t.reg_budget
-                          and rep.shared <= t.shared_budget)
-                if not rep.ok:
-                    rep.error = (f"over budget (regs {rep.regs}/{t.reg_budget}, spills {rep.spills}, "
-                                 f"shared {rep.shared}/{t.shared_budget})")
-            except Exception as e:  # a config that does not compile is a finding, not a crash
-                rep.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-            reports.append(rep)
+            reports.append(compile_and_check(rep, t, gpu, fn, sig, constexprs(cfg), opts))
     return reports
+
+
+def compile_and_check(rep: CompileReport, t, gpu, fn, sig: dict, constexprs: dict,
+                      opts: dict) -> CompileReport:
+    """Compile one kernel config for target t and fill rep: resources, ok (no spills, within
+    the register and shared-memory/LDS budgets) or the error."""
+    import triton
+    from triton.compiler import ASTSource
+    try:
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        rep.regs, rep.spills, rep.shared = t.usage(triton.compile(src, target=gpu, options=opts))
+        rep.ok = rep.spills == 0 and rep.regs <= t.reg_budget and rep.shared <= t.shared_budget
+        if not rep.ok:
+            rep.error = (f"over budget (regs {rep.regs}/{t.reg_budget}, spills {rep.spills}, "
+                         f"shared {rep.shared}/{t.shared_budget})")
+    except Exception as e:  # a config that does not compile is a finding, not a crash
+        msg = str(e).strip().splitlines()
+        rep.error = f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
+    return rep
 
 
 def run_kernels_cli(target: str, as_json: bool = False, fla: bool = False) -> int:

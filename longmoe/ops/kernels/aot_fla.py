@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from longmoe.ops.kernels.aot import CompileReport
+from longmoe.ops.kernels.aot import CompileReport, compile_and_check
 
 
 @contextlib.contextmanager
@@ -91,9 +91,7 @@ def _signature(fn, bound: dict):
 
 def compile_fla(target: str, all_configs: bool = False) -> list[CompileReport]:
     """Each recorded kernel with its first and last autotune config (all with all_configs)."""
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from longmoe.backends.aot import compile_targets
     t = compile_targets()[target]
     gpu = GPUTarget(t.triton_backend, t.arch, t.warp_size)
@@ -115,16 +113,5 @@ def compile_fla(target: str, all_configs: bool = False) -> list[CompileReport]:
                                 {"config": i, **{k: v for k, v in consts.items()
                                                  if isinstance(v, (int, bool)) and k.isupper()},
                                  **opts}, ok=False)
-            try:
-                src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-                rep.regs, rep.spills, rep.shared = t.usage(triton.compile(src, target=gpu, options=opts))
-                rep.ok = (rep.spills == 0 and rep.regs <= t.reg_budget
-                          and rep.shared <= t.shared_budget)
-                if not rep.ok:
-                    rep.error = (f"over budget (regs {rep.regs}/{t.reg_budget}, spills {rep.spills}, "
-                                 f"shared {rep.shared}/{t.shared_budget})")
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is a finding
-                msg = str(e).strip().splitlines()
-                rep.error = f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
-            reports.append(rep)
+            reports.append(compile_and_check(rep, t, gpu, fn, sig, consts, opts))
     return reports
