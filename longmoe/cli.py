@@ -113,6 +113,25 @@ def _cmd_bench_moe(a) -> int:
     return 0
 
 
+def _cmd_bench_delta(a) -> int:
+    from longmoe.bench.gated_delta import run_bench, write_report
+    from longmoe.config import get_preset
+    get_preset(a.preset)  # one-line error naming model.preset
+    if a.smoke:
+        tokens, iters, preset = [128], 1, "tiny-hybrid"
+    else:
+        tokens, iters, preset = _ints(a.tokens, "--tokens"), a.iters, a.preset
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        impl, _, prec = v.partition("@")
+        if prec and prec not in ("highest", "high"):
+            raise UserError(f"--variants: {v!r}: precision must be highest or high")
+    report = run_bench(tokens, variants, preset, iters=iters, profile=a.profile,
+                       profile_dir=a.profile_dir)
+    write_report(report, a.out)
+    return 0
+
+
 def _cmd_bench_path(a) -> int:
     from longmoe.bench.train_path import run_path, write_report
     from longmoe.train.config import apply_overrides
@@ -188,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--out", help="write the JSON report here")
     bm.add_argument("--smoke", action="store_true", help="tiny layer on CPU ranks: check it runs")
     bm.set_defaults(fn=_cmd_bench_moe)
+
+    bd = bsub.add_parser("gated-delta", help="Gated DeltaNet core fwd/fwd+bwd per impl and matmul "
+                                             "precision, beside causal SDPA at the same length")
+    bd.add_argument("--tokens", default="16384,32768,65536")
+    bd.add_argument("--variants", default="chunked,chunked@high,chunked_compiled,"
+                                          "chunked_compiled@high,fla,sdpa",
+                    help="impl[@highest|high] list; the first is the error reference; sdpa = attention")
+    bd.add_argument("--preset", default="qwen3.5-35b-a3b", help="model preset giving the head shapes")
+    bd.add_argument("--iters", type=int, default=5)
+    bd.add_argument("--profile", help="variant to profile (op table per T into --profile-dir)")
+    bd.add_argument("--profile-dir")
+    bd.add_argument("--out", help="write the JSON report here")
+    bd.add_argument("--smoke", action="store_true", help="tiny shapes: check the bench runs")
+    bd.set_defaults(fn=_cmd_bench_delta)
 
     bp = bsub.add_parser("train-path", help="the seeds' optimisation path as training runs: "
                                             "baseline, +linear CE, +FSDP2, +chunked EP")

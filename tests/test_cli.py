@@ -125,6 +125,9 @@ BAD_INPUT = {
                            ["--set", "parallel.chunks"]),
     "paired_unknown_primitive": (["paired", "nope"], ["nope"]),
     "paired_unknown_impl": (["paired", "linear_ce", "--impl", "nope"], ["--impl", "nope"]),
+    "bench_delta_precision": (["bench", "gated-delta", "--smoke", "--variants", "chunked@tf16"],
+                              ["--variants", "chunked@tf16"]),
+    "bench_delta_preset": (["bench", "gated-delta", "--preset", "qwen9"], ["model.preset", "qwen9"]),
 }
 
 GOOD = {
@@ -132,6 +135,7 @@ GOOD = {
     "paired_linear_ce": ["paired", "linear_ce", "--json"],
     "paired_recompute": ["paired", "recompute", "--json"],
     "paired_gated_delta": ["paired", "gated_delta", "--json"],
+    "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,recurrent,sdpa"],
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
                   "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",

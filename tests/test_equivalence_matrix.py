@@ -1,6 +1,7 @@
 """Three training steps (forward, backward, AdamW) give the same losses on every layout: world 1
 with every primitive off, FSDP over 4 ranks, EP2 x FSDP2, CP2 x EP2 and CP4, with recompute none
-and full. Real gloo ranks through `longmoe train`; fp32; the same global batch everywhere (data
+and full. The world-1 reference steps AdamW per parameter, every other layout with foreach
+kernels over DTensors of two meshes. Real gloo ranks through `longmoe train`; fp32; the same global batch everywhere (data
 is keyed by global sequence index)."""
 
 import json
@@ -33,7 +34,9 @@ def run(tmp_path, name, recompute):
             "--set", f"parallel.recompute={recompute}", "--set", f"parallel.chunks={2 if ep > 1 else 1}",
             "--set", f"data.batch_size={GLOBAL_BATCH * cp // ranks}", "--metrics-out", str(out)]
     if name == "world1":
-        args += ["--set", "impl.policy_loss=unfused", "--set", "impl.grouped_mm=loop"]
+        # the reference also steps AdamW parameter by parameter; the others use foreach kernels
+        args += ["--set", "impl.policy_loss=unfused", "--set", "impl.grouped_mm=loop",
+                 "--set", "optim.impl=loop"]
     p = subprocess.run([sys.executable, "-m", "longmoe", "train", *args], env=ENV,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (name, recompute, p.stderr[-3000:])

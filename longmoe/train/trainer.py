@@ -77,16 +77,18 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(run.train.seed + rank)
+    if backend.device_type != "cpu":
+        torch.set_float32_matmul_precision(run.impl.fp32_matmul)
     layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
     model = build_model(run, layout, device)
     o = run.optim
     master = None
     if not (run.parallel.fsdp and layout.dp_mesh is not None) and run.parallel.param_dtype != "float32":
         master = MasterWeights(model, torch_dtype(run.parallel.param_dtype))
-    # foreach=False: expert DTensors live on another mesh than the dense ones, and a foreach
-    # kernel over both is not verified on GPUs yet (on CPU torch never takes the foreach path).
+    kernel = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}
     optim = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=o.lr,
-                              betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+                              betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                              **kernel[o.impl])
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
     source = make_source(run.data, run.model.vocab_size, run.train.seed)
