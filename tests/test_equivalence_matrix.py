@@ -1,7 +1,7 @@
 """Three training steps (forward, backward, AdamW) give the same losses on every layout: world 1
 with every primitive off, FSDP over 4 ranks, EP2 x FSDP2, CP2 x EP2 and CP4, with recompute none
 and full. The world-1 reference steps AdamW per parameter, every other layout with foreach
-kernels over DTensors of two meshes. Real gloo ranks through `longmoe train`; fp32; the same global batch everywhere (data
+kernels (one layout with the fused kernel) over DTensors of two meshes. Real gloo ranks through `longmoe train`; fp32; the same global batch everywhere (data
 is keyed by global sequence index)."""
 
 import json
@@ -23,6 +23,7 @@ LAYOUTS = {
     "ep2xfsdp2": (4, 2, 1, True, "chunked"),
     "cp2xep2": (4, 2, 2, True, "chunked"),
     "cp4": (4, 1, 4, True, "chunked"),
+    "ep2xfsdp2-fused": (4, 2, 1, True, "chunked"),  # AdamW's fused kernel (the GPU default)
 }
 
 
@@ -33,6 +34,8 @@ def run(tmp_path, name, recompute):
             "--set", f"parallel.fsdp={'true' if fsdp else 'false'}", "--set", f"impl.linear_ce={ce}",
             "--set", f"parallel.recompute={recompute}", "--set", f"parallel.chunks={2 if ep > 1 else 1}",
             "--set", f"data.batch_size={GLOBAL_BATCH * cp // ranks}", "--metrics-out", str(out)]
+    if name.endswith("-fused"):
+        args += ["--set", "optim.impl=fused"]
     if name == "world1":
         # the reference also steps AdamW parameter by parameter; the others use foreach kernels
         args += ["--set", "impl.policy_loss=unfused", "--set", "impl.grouped_mm=loop",

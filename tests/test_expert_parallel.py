@@ -64,3 +64,21 @@ def test_layout_errors_name_the_value(world, ep, experts, field):
     from longmoe.parallel.mesh import validate_layout
     with pytest.raises(ConfigError, match=field):
         validate_layout(world, ep, experts)
+
+
+@pytest.mark.parametrize("T,K,H", [(37, 3, 5), (64, 1, 8), (1, 8, 3)])
+def test_combine_permuted_matches_index_add(T, K, H):
+    """The EP=1 combine (gather back to token order, batched weighted sum) against the plain
+    scatter-add of weighted rows it replaced: outputs and gradients of rows and weights."""
+    from longmoe.parallel.expert_parallel import combine_permuted
+    g = torch.Generator().manual_seed(T * 10 + K)
+    order = torch.randperm(T * K, generator=g)
+    y = torch.randn(T * K, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True)
+    got = combine_permuted(y, order, w)
+    ref = torch.zeros(T, H, dtype=torch.float64).index_add(
+        0, order // K, y * w.reshape(-1)[order][:, None])
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(torch.autograd.grad(got, (y, w), dy), torch.autograd.grad(ref, (y, w), dy)):
+        torch.testing.assert_close(a, b)

@@ -42,3 +42,33 @@ def test_declines_cpu_and_auto_falls_back():
     leaves = _leaves(1, 8, 1, 1, 4, 4, seed=0)
     assert "GPU" in gd.GATED_DELTA.why_not("chunked_compiled", *leaves)
     assert gd.GATED_DELTA.select("auto", *leaves).name == "chunked"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("halo", [False, True])
+def test_causal_conv_matches_conv1d(dtype, tol, halo):
+    """The shifted multiply-add conv (and its traced graph) against F.conv1d on the transposed
+    input: outputs and gradients of input, weight and halo."""
+    from longmoe.model.deltanet import causal_conv_silu
+    g = torch.Generator().manual_seed(7)
+    B, S, C, K = 2, 29, 6, 4
+    x = torch.randn(B, S, C, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(C, K, generator=g).to(dtype).requires_grad_()
+    h = torch.randn(B, K - 1, C, generator=g).to(dtype).requires_grad_() if halo else None
+
+    def ref(x, w, h):
+        xt = torch.cat([h if h is not None else x.new_zeros(B, K - 1, C), x], 1).transpose(1, 2)
+        y = torch.nn.functional.conv1d(xt.double(), w.double()[:, None], groups=C)
+        return torch.nn.functional.silu(y).transpose(1, 2)
+
+    leaves = [x, w] + ([h] if halo else [])
+    dy = torch.randn(B, S, C, generator=g, dtype=torch.float64)
+    want = ref(x, w, h)
+    want_grads = [t.double() for t in torch.autograd.grad(want, leaves, dy)]
+    traced = torch.compile(causal_conv_silu, backend="aot_eager", fullgraph=True, dynamic=False)
+    for fn in (causal_conv_silu, traced):
+        got = fn(x, w, h)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        for a, b in zip(torch.autograd.grad(got.double(), leaves, dy), want_grads):
+            torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * 4)

@@ -17,7 +17,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from longmoe.config import ModelConfig
+from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.gated_delta import gated_delta_rule
+
+
+def causal_conv_silu(x_BSC, w_CK, halo_BKC=None):
+    """SiLU(depthwise causal conv) as K shifted multiply-adds in the [B, S, C] layout, summed in
+    fp32 (or wider): the same as F.conv1d over the transposed input with K-1 zeros (or `halo`) in
+    front, without the transposes, and fusable. The GPU path compiles it: F.conv1d's depthwise
+    kernel took 5.8 ms forward at 64K tokens x 8192 channels on an H200, ~10x the time its bytes
+    need. The eager path stays F.conv1d (autograd would keep K fp32 copies of the input here)."""
+    K, S = w_CK.shape[1], x_BSC.shape[1]
+    xp = F.pad(x_BSC, (0, 0, K - 1, 0)) if halo_BKC is None else torch.cat([halo_BKC, x_BSC], 1)
+    acc = torch.promote_types(x_BSC.dtype, torch.float32)
+    w = w_CK.to(acc)
+    y = xp[:, :S].to(acc) * w[:, 0]
+    for j in range(1, K):
+        y = y + xp[:, j:j + S].to(acc) * w[:, j]
+    return F.silu(y).to(x_BSC.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -68,8 +85,11 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
 
     def _conv(self, qkv_BSC, halo_BKC=None):
-        """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros)."""
-        x = qkv_BSC.transpose(1, 2)
+        """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros).
+        On GPUs compiled into fused kernels, unless an eager core was asked for."""
+        if self.impl not in ("chunked", "recurrent") and not compile_unavailable(qkv_BSC.device):
+            return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC)
+        x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward
         x = F.pad(x, (self.kernel - 1, 0)) if halo_BKC is None else \
             torch.cat([halo_BKC.transpose(1, 2), x], -1)
         return F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)

@@ -170,7 +170,8 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
 def linear_attention_bytes(cfg: ModelConfig, a: Assumptions = Assumptions(), chunk: int = 64) -> int:
     """Bytes per token a Gated DeltaNet layer keeps for backward with the `chunked` core
     (longmoe/ops/gated_delta.py), counted from its saved tensors per value head in fp32: the
-    [C, C] decay/attention/system matrices (6C), v-wide and k-wide chunk tensors (5 dv + 10 dk),
+    [C, C] decay/attention/system/inverse matrices (7C), v-wide and k-wide chunk tensors
+    (6 dv + 11 dk),
     the chunk states twice and the transitions (2 dk dv / C + dk^2 / C); per key head the
     normalised q/k (2 dk); and in the compute dtype the conv input and output, the core's output
     and gate, and the norms. tests/test_plan.py checks it against saved_tensors_hooks on CPU."""
@@ -178,7 +179,7 @@ def linear_attention_bytes(cfg: ModelConfig, a: Assumptions = Assumptions(), chu
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, C = cfg.linear_key_head_dim, cfg.linear_value_head_dim, chunk
     conv_dim = 2 * hk * dk + hv * dv
-    fp32 = hv * (6 * C + 5 * dv + 10 * dk + 2 * dk * dv / C + dk * dk / C) + 2 * hk * dk
+    fp32 = hv * (7 * C + 6 * dv + 11 * dk + 2 * dk * dv / C + dk * dk / C) + 2 * hk * dk
     return int(4 * fp32 + b * (2 * conv_dim + 4 * hv * dv + 2 * cfg.hidden_size))
 
 

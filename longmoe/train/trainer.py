@@ -85,10 +85,11 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     master = None
     if not (run.parallel.fsdp and layout.dp_mesh is not None) and run.parallel.param_dtype != "float32":
         master = MasterWeights(model, torch_dtype(run.parallel.param_dtype))
+    impl = o.impl if o.impl != "auto" else ("foreach" if backend.device_type == "cpu" else "fused")
     kernel = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}
     optim = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=o.lr,
                               betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                              **kernel[o.impl])
+                              **kernel[impl])
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
     source = make_source(run.data, run.model.vocab_size, run.train.seed)
