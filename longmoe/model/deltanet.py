@@ -37,6 +37,16 @@ def causal_conv_silu(x_BSC, w_CK, halo_BKC=None):
     return F.silu(y).to(x_BSC.dtype)
 
 
+def gated_rms_norm(x, gate, weight, eps: float, dtype=None):
+    """RMSNorm(x) * weight * SiLU(gate) in the dtype of `gate`; x is first rounded to `dtype`
+    when given (the core's fp32 output enters the norm as the model dtype, as in HF)."""
+    x = x if dtype is None else x.to(dtype)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the head dim (weight initialised to one), then times SiLU(gate)."""
 
@@ -45,11 +55,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x, gate):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(x.dtype)
-        return (y * F.silu(gate.float())).to(x.dtype)
+    def forward(self, x, gate, fused: bool = False, dtype=None):
+        fn = compiled(gated_rms_norm) if fused else gated_rms_norm
+        return fn(x, gate, self.weight, self.eps, dtype)
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
@@ -84,10 +92,14 @@ class GatedDeltaNet(nn.Module):
                 1.0, 16.0, generator=gen).log())
             self.dt_bias.fill_(1.0)
 
+    def _fused(self, x) -> bool:
+        """Compile the conv and the gated norm on GPUs, unless an eager core was asked for."""
+        return self.impl not in ("chunked", "recurrent") and not compile_unavailable(x.device)
+
     def _conv(self, qkv_BSC, halo_BKC=None):
         """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros).
         On GPUs compiled into fused kernels, unless an eager core was asked for."""
-        if self.impl not in ("chunked", "recurrent") and not compile_unavailable(qkv_BSC.device):
+        if self._fused(qkv_BSC):
             return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC)
         x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward
         x = F.pad(x, (self.kernel - 1, 0)) if halo_BKC is None else \
@@ -112,7 +124,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split(self._conv(qkv))
             o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl)
         z = self.in_proj_z(x_BSH).reshape(B, S, self.Hv, self.dv)
-        o = self.norm(o.to(x_BSH.dtype), z)
+        o = self.norm(o, z, fused=self._fused(x_BSH), dtype=x_BSH.dtype)
         return self.out_proj(o.reshape(B, S, -1))
 
     def _forward_cp(self, qkv_BsC, g_BsV, beta_BsV):

@@ -6,6 +6,7 @@ Per token and layer, forward (a multiply-add is 2 FLOPs):
   attention core         4*N*D*ctx, ctx = (S+1)/2 for causal attention over a sequence of S
   router                 2*H*E
   routed experts         top_k * 6*H*F                        (gate+up: 4*H*F, down: 2*F*H)
+  combine                top_k * 2*H                          (router-weighted sum of their outputs)
   shared expert          6*H*Fs + 2*H                         (and its sigmoid gate)
 A linear_attention (Gated DeltaNet) layer replaces the attention terms by
   projections            2*H*(2*Kd + 2*Vd + 2*Hv) + 2*Vd*H    (qkv, z, a, b in; out)
@@ -69,7 +70,7 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool =
         proj = 2 * H * (q_out + 2 * K * D) + 2 * N * D * H
         core = attention_core_flops_per_token(cfg, seq_len, causal)
     router = 2 * H * cfg.num_experts
-    routed = cfg.top_k * 6 * H * cfg.moe_ffn_size
+    routed = cfg.top_k * (6 * H * cfg.moe_ffn_size + 2 * H)
     shared = (6 * H * cfg.shared_expert_ffn_size + 2 * H) if cfg.shared_expert_ffn_size else 0
     return proj + core + router + routed + shared
 

@@ -106,7 +106,10 @@ def _recurrent(q, k, v, g, beta, initial_state=None):
 
 def _chunk_terms(q, k, v, g, beta, chunk: int):
     """Everything of the chunked form that is batched over chunks, before the state recurrence:
-    returns (trans M, inject N, read, attn, u_part), each [B, Hv, n, ...]."""
+    returns (trans M, inject N, read, attn, u_part), each chunk-major [n, B*Hv, ...] and
+    contiguous, so each step of the recurrence reads one dense block and the output's GEMMs
+    batch over n*B*Hv without a copy of the states (compiled, the layout comes with the
+    kernels that write these tensors)."""
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     B, Hv, T, dk = k.shape
     dv = v.shape[-1]
@@ -150,26 +153,28 @@ def _chunk_terms(q, k, v, g, beta, chunk: int):
     trans = step_decay * torch.eye(dk, device=q.device) - k_end_t @ w        # M: [.., dk, dk]
     inject = k_end_t @ u_part                                               # N: [.., dk, dv]
     read = q_dec - attn @ w                                                 # [.., C, dk]
-    return trans, inject, read, attn, u_part
+    cm = lambda x: x.flatten(0, 1).transpose(0, 1).contiguous()  # noqa: E731
+    return cm(trans), cm(inject), cm(read), cm(attn), cm(u_part)
 
 
-def _chunk_output(read, S_starts, attn, u_part):
-    return read @ S_starts + attn @ u_part
+def _chunk_output(read, S_starts, attn, u_part, B: int, T: int):
+    """o for every chunk from its start state, chunk-major in, [B, T, Hv, dv] out."""
+    n, BH, C, dv = u_part.shape
+    o = read @ S_starts + attn @ u_part                           # [n, B*Hv, C, dv]
+    o = o.view(n, B, BH // B, C, dv).permute(1, 0, 3, 2, 4)       # [B, n, C, Hv, dv]
+    return o.reshape(B, n * C, BH // B, dv)[:, :T]
 
 
 def _chunked_with(terms, output, q, k, v, g, beta, initial_state, chunk):
     B, T, Hv, dv = v.shape
     dk = q.shape[-1]
     trans, inject, read, attn, u_part = terms(q, k, v, g, beta, chunk)
-    n = trans.shape[2]
+    n = trans.shape[0]
     S0 = (read.new_zeros(B * Hv, dk, dv) if initial_state is None
           else initial_state.float().reshape(B * Hv, dk, dv))
-    # [n, B*Hv, ...] views (baddbmm takes the strided batch as it is: no copies of M and N)
-    states = AffineScan.apply(trans.flatten(0, 1).transpose(0, 1),
-                              inject.flatten(0, 1).transpose(0, 1), S0)
-    S_starts = states[:n].transpose(0, 1).reshape(B, Hv, n, dk, dv)
-    o = output(read, S_starts, attn, u_part).reshape(B, Hv, n * chunk, dv)[:, :, :T]
-    return o.transpose(1, 2), states[n].view(B, Hv, dk, dv)
+    states = AffineScan.apply(trans, inject, S0)                  # [n + 1, B*Hv, dk, dv]
+    o = output(read, states[:n], attn, u_part, B, T)
+    return o, states[n].view(B, Hv, dk, dv)
 
 
 @GATED_DELTA.register("chunked", priority=5)

@@ -65,16 +65,18 @@ POINTS = [
           assumptions=Assumptions(moe_imbalance=1.0),
           note="2 layers, EP=2, 8,192 tokens/rank, FSDP2 + full recompute + fused linear-CE "
                "GRPO loss; synthetic tokens route evenly (imbalance 1.0)"),
-    Point("longmoe hybrid, 1 x H200, 32K", "our H200 run (docs/benchmarks/h200x1): 88.1 GiB",
-          88.1 * GiB, Layout(1, 1, 1, 1, 1), Workload(32768, ep_chunks=1), num_layers=4,
+    Point("longmoe hybrid, 1 x H200, 32K", "our H200 run (docs/benchmarks/h200x1): 87.8 GiB",
+          87.8 * GiB, Layout(1, 1, 1, 1, 1), Workload(32768, ep_chunks=1), num_layers=4,
           assumptions=Assumptions(linear_core="chunked"),
-          note="4 layers (3 Gated DeltaNet + 1 attention) with our chunked fp32 core, FSDP2 + "
-               "full recompute + fused linear-CE GRPO, 6 steps, max allocator peak"),
-    Point("longmoe hybrid, 1 x H200, 64K", "our H200 run (docs/benchmarks/h200x1): 110.2 GiB",
-          110.2 * GiB, Layout(1, 1, 1, 1, 1), Workload(65536, ep_chunks=1), num_layers=4,
-          assumptions=Assumptions(linear_core="chunked"),
-          note="as the 32K point; with linear_core='kernel' (attention-sized) the estimate is "
-               "13% low"),
+          note="4 layers (3 Gated DeltaNet + 1 attention) with our eager chunked fp32 core "
+               "(impl.gated_delta=chunked), FSDP2 + full recompute + fused linear-CE GRPO, 6 "
+               "steps, max allocator peak"),
+    Point("longmoe hybrid, 1 x H200, 64K", "our H200 run (docs/benchmarks/h200x1): 109.7 GiB",
+          109.7 * GiB, Layout(1, 1, 1, 1, 1), Workload(65536, ep_chunks=1), num_layers=4,
+          assumptions=Assumptions(linear_core="chunked"), within_10=False,
+          note="as the 32K point, 12% high: the estimate holds every tensor the core saves at "
+               "once (checked on CPU), and since the core keeps (I+L)^-1 and its GEMM inputs "
+               "that sum rose 3 GiB while the measured peak fell 0.5"),
 ]
 
 
