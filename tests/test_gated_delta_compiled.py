@@ -118,8 +118,13 @@ def test_compiled_core_on_gpu_matches_recurrent(precision, tol):
 
 @pytest.mark.needs_cuda
 def test_fused_layer_on_gpu_matches_eager():
-    """A Gated DeltaNet layer in bf16 on a GPU: the compiled conv, core and gated norm against
-    the eager path (F.conv1d, eager core, eager norm), same weights."""
+    """A Gated DeltaNet layer in bf16 on a GPU: the compiled conv, core and gated norm, and the
+    eager path (F.conv1d, eager core, eager norm), each against the same layer in fp32. Both
+    round differently in bf16 (on an H200 they differ by up to 5.6% of the conv-weight
+    gradient's largest entry), so the fused path must be about as close to fp32 as the eager
+    one, not equal to it."""
+    import copy
+
     from longmoe.backends import active_backend
     from longmoe.config import get_preset
     from longmoe.model.deltanet import GatedDeltaNet
@@ -128,13 +133,19 @@ def test_fused_layer_on_gpu_matches_eager():
     torch.manual_seed(0)
     layer = GatedDeltaNet(cfg).to(dev)
     layer.reset_parameters(torch.Generator(device=dev).manual_seed(0))
-    layer = layer.to(torch.bfloat16)
-    x = torch.randn(2, 131, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    outs = {}
-    for impl in ("auto", "chunked"):
-        layer.impl = impl
-        y = layer(x)
-        outs[impl] = [y.float(), *[t.float() for t in torch.autograd.grad(
-            y.float().square().sum(), [x, layer.conv1d.weight, layer.norm.weight])]]
-    for a, b in zip(outs["auto"], outs["chunked"]):
-        assert float((a - b).abs().max() / b.abs().max()) < 3e-2
+    x = torch.randn(2, 131, cfg.hidden_size, device=dev)
+
+    def run(mod, impl, dtype):
+        mod.impl = impl
+        xi = x.to(dtype).requires_grad_()
+        y = mod(xi)
+        grads = torch.autograd.grad(y.float().square().sum(),
+                                    [xi, mod.conv1d.weight, mod.norm.weight])
+        return [y.detach().float(), *[t.float() for t in grads]]
+
+    truth = run(copy.deepcopy(layer).float(), "chunked", torch.float32)
+    bf16 = copy.deepcopy(layer).to(torch.bfloat16)
+    fused, eager = run(bf16, "auto", torch.bfloat16), run(bf16, "chunked", torch.bfloat16)
+    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
+    for name, f, e, t in zip(("y", "dx", "dconv", "dnorm"), fused, eager, truth):
+        assert rel(f, t) <= max(2 * rel(e, t), 1e-2), (name, rel(f, t), rel(e, t))
