@@ -53,7 +53,10 @@ def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, ti
     if p.returncode != 0 or not rows:
         err = (p.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         oom = "out of memory" in p.stderr.lower()
-        out.update(status="oom" if oom else "failed", error=err[-300:], log_tail=_tail(p.stderr))
+        if oom and "Tried to allocate" in p.stderr:  # the size, not the allocator's advice
+            at = p.stderr.index("Tried to allocate")
+            err = p.stderr[at:].split(". ")[0] + "."
+        out.update(status="oom" if oom else "failed", error=err[:300], log_tail=_tail(p.stderr))
         return out
     timed = rows[1:] or rows
     med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
