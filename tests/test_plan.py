@@ -6,6 +6,7 @@ No torch and no process group: everything here is arithmetic and runs in a few s
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import replace
 
@@ -292,29 +293,39 @@ def test_recipe_command_end_to_end(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize("core", ["chunked", "compiled"])
 @pytest.mark.parametrize("dk,dv", [(128, 128), (32, 96)])
-def test_linear_attention_bytes_match_the_saved_tensors(dk, dv):
-    # The estimator's per-token count for the chunked Gated DeltaNet core against the tensors
-    # autograd actually keeps (saved_tensors_hooks, unique storages, bf16 layer on CPU): the
-    # difference between 1024 and 512 tokens, so per-layer constants (weights) cancel.
+def test_linear_attention_bytes_match_the_saved_tensors(dk, dv, core):
+    # The estimator's per-token count for our Gated DeltaNet core against the tensors autograd
+    # actually keeps (saved_tensors_hooks, unique storages, bf16 layer on CPU): the difference
+    # between 1024 and 512 tokens, so per-layer constants (weights) cancel. "compiled" runs the
+    # GPU path's graphs through the partitioner inductor uses (longmoe.ops.compiled.forced).
+    import contextlib
+
     import torch
     from longmoe.model.deltanet import GatedDeltaNet
-    from longmoe.plan.memory import linear_attention_bytes
-    cfg = get_preset("qwen3.5-35b-a3b").replace(linear_key_head_dim=dk, linear_value_head_dim=dv)
+    from longmoe.ops.compiled import forced
+    from longmoe.plan.memory import Assumptions, linear_attention_bytes
+    cfg = get_preset("qwen3.5-35b-a3b").replace(linear_key_head_dim=dk, linear_value_head_dim=dv,
+                                                linear_num_value_heads=16, linear_num_key_heads=8)
     layer = GatedDeltaNet(cfg).to(torch.bfloat16)
+    layer.impl = "chunked" if core == "chunked" else "chunked_compiled"
     kept = {}
-    for T in (512, 1024):
-        seen = {}
+    ctx = forced("aot_eager_decomp_partition") if core == "compiled" else contextlib.nullcontext()
+    with ctx:
+        for T in (512, 1024):
+            seen = {}
 
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(x)
-        kept[T] = sum(seen.values())
+            def pack(t):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+            x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                layer(x)
+            kept[T] = sum(seen.values())
     measured = (kept[1024] - kept[512]) / 512
-    assert abs(linear_attention_bytes(cfg) / measured - 1) < 0.06, (linear_attention_bytes(cfg), measured)
+    est = linear_attention_bytes(cfg, Assumptions(linear_core=core))
+    assert abs(est / measured - 1) < 0.06, (est, measured)
 
 
 def test_recipe_linear_core_chunked_plans_and_runs_our_core(tmp_path, capsys):
@@ -322,7 +333,7 @@ def test_recipe_linear_core_chunked_plans_and_runs_our_core(tmp_path, capsys):
     # assumption, so the plan for it needs more memory per token (a larger peak at the same CP,
     # or CP > 1 where the kernel's plan needs none), and the written config runs that core.
     peaks, cps = {}, {}
-    for core in ("kernel", "chunked"):
+    for core in ("kernel", "compiled", "chunked"):
         out = tmp_path / f"{core}.yaml"
         assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "mi300x", "--gpus", "8",
                      "--seq-len", "131072", "--linear-core", core, "--format", "json",
@@ -330,7 +341,10 @@ def test_recipe_linear_core_chunked_plans_and_runs_our_core(tmp_path, capsys):
         d = json.loads(capsys.readouterr().out)
         peaks[core], cps[core] = d["peak_bytes"], d["cp"]
         text = out.read_text()
-        assert ("gated_delta: chunked" in text) == (core == "chunked")
-        assert (f"--linear-core {core}" in text) == (core == "chunked")
-    assert cps["kernel"] == 1
+        impl = {"kernel": None, "compiled": "chunked_compiled", "chunked": "chunked"}[core]
+        assert re.search(r"gated_delta: (\S+)", text) is None if impl is None else \
+            re.search(r"gated_delta: (\S+)", text).group(1) == impl
+        assert (f"--linear-core {core}" in text) == (core != "kernel")
+    assert cps["kernel"] == cps["compiled"] == 1
+    assert peaks["kernel"] < peaks["compiled"]
     assert (peaks["chunked"] > peaks["kernel"] * 1.2 if cps["chunked"] == 1 else cps["chunked"] > 1)

@@ -1,19 +1,27 @@
 """torch.compile for the plain-PyTorch pieces that run as chains of small elementwise ops on a
-GPU (the Gated DeltaNet core's batched parts, its causal conv). Inductor turns each chain into
-fused Triton kernels for whichever GPU is present; the eager function stays the reference and the
-CPU path. One compiled callable per function per process, shapes static."""
+GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm). Inductor turns
+each chain into fused Triton kernels for whichever GPU is present; the eager function stays the
+reference and the CPU path. One compiled callable per function per process, shapes static.
+
+`forced(backend)` runs the compiled path on any device with another torch.compile backend: tests
+use it on CPU with "aot_eager_decomp_partition", which partitions forward and backward (what gets
+saved) the way inductor does, without generating kernels."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
-_CACHE: dict[Callable, Callable] = {}
+_CACHE: dict[tuple[Callable, str], Callable] = {}
+_FORCED: list[str] = []
 
 
 def compile_unavailable(device: torch.device) -> str | None:
     """None when compiled pieces can run on `device`, else why not."""
+    if _FORCED:
+        return None
     if device.type == "cpu":
         return "compiled pieces are for GPUs (CPU runs the eager form)"
     try:
@@ -24,6 +32,16 @@ def compile_unavailable(device: torch.device) -> str | None:
 
 
 def compiled(fn: Callable) -> Callable:
-    if fn not in _CACHE:
-        _CACHE[fn] = torch.compile(fn, dynamic=False)
-    return _CACHE[fn]
+    backend = _FORCED[-1] if _FORCED else "inductor"
+    if (fn, backend) not in _CACHE:
+        _CACHE[(fn, backend)] = torch.compile(fn, backend=backend, dynamic=False)
+    return _CACHE[(fn, backend)]
+
+
+@contextlib.contextmanager
+def forced(backend: str):
+    _FORCED.append(backend)
+    try:
+        yield
+    finally:
+        _FORCED.pop()

@@ -45,9 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="FSDP2 (longmoe) or a Megatron-style distributed optimizer (comparison)")
     r.add_argument("--logits", default="linear_ce", choices=["linear_ce", "naive"])
     r.add_argument("--ep-chunks", type=int, default=0, help="chunked EP pieces (0: tuning default)")
-    r.add_argument("--linear-core", default="kernel", choices=["kernel", "chunked"],
-                   help="Gated DeltaNet memory: a fused kernel (fla; attention-sized, assumed) or "
-                        "longmoe's chunked fp32 core (counted; what runs where fla cannot)")
+    r.add_argument("--linear-core", default="kernel", choices=["kernel", "compiled", "chunked"],
+                   help="Gated DeltaNet memory: a fused kernel (fla; attention-sized, assumed), "
+                        "longmoe's core compiled (counted; the GPU default where fla cannot run) "
+                        "or eager (counted)")
     r.add_argument("--headroom", type=float, default=HEADROOM,
                    help="fraction of the budget kept free for estimator error "
                         f"(default {HEADROOM})")
@@ -148,8 +149,8 @@ def run_config(p: Plan, linear_core: str = "kernel") -> dict:
     model = {"preset": p.model} if p.model in PRESETS else {"hf_config": p.model}
     impl = ({"linear_ce": "auto"} if w.linear_ce
             else {"linear_ce": "naive", "policy_loss": "unfused"})
-    if linear_core == "chunked":  # the memory was planned for this core: run it
-        impl["gated_delta"] = "chunked"
+    if linear_core != "kernel":  # the memory was planned for this core: run it
+        impl["gated_delta"] = {"chunked": "chunked", "compiled": "chunked_compiled"}[linear_core]
     return {
         "model": model,
         "parallel": {"ep": p.layout.ep, "chunks": p.ep_chunks, "fsdp": True,

@@ -111,8 +111,9 @@ class Assumptions:
     # What a Gated DeltaNet layer keeps for backward. "kernel": a fused GPU kernel (fla, the
     # seeds' stack), assumed to keep about what attention keeps (bf16 inputs plus per-chunk
     # states); not measured. "chunked": longmoe's portable fp32 core, counted tensor by tensor
-    # (linear_attention_bytes; 3.8x attention's saved set per token for Qwen3.5), which is what
-    # runs on the H200 image until fla works there (docs/qwen35.md).
+    # (linear_attention_bytes; ~4x attention's saved set per token for Qwen3.5); "compiled":
+    # the same core with its pieces compiled (`chunked_compiled`, the GPU default where fla
+    # cannot run, as on the H200 image: docs/qwen35.md), counted the same way.
     linear_core: str = "kernel"
 
 
@@ -161,24 +162,32 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
     routed_transient = 3 * b * H + 2 * b * F
     out = {"layer_input": b * H, "attn": attn, "moe_dense": moe_dense,
            "routed_saved": routed_saved, "routed_transient": routed_transient, "linear_attn": 0}
-    if a.linear_core == "chunked" and any(cfg.layer_type(i) == "linear_attention"
+    if a.linear_core in ("chunked", "compiled") and any(cfg.layer_type(i) == "linear_attention"
                                           for i in range(cfg.num_layers)):
         out["linear_attn"] = linear_attention_bytes(cfg, a)
     return out
 
 
 def linear_attention_bytes(cfg: ModelConfig, a: Assumptions = Assumptions(), chunk: int = 64) -> int:
-    """Bytes per token a Gated DeltaNet layer keeps for backward with the `chunked` core
-    (longmoe/ops/gated_delta.py), counted from its saved tensors per value head in fp32: the
-    [C, C] decay/attention/system/inverse matrices (7C), v-wide and k-wide chunk tensors
-    (6 dv + 11 dk),
-    the chunk states twice and the transitions (2 dk dv / C + dk^2 / C); per key head the
-    normalised q/k (2 dk); and in the compute dtype the conv input and output, the core's output
-    and gate, and the norms. tests/test_plan.py checks it against saved_tensors_hooks on CPU."""
+    """Bytes per token a Gated DeltaNet layer keeps for backward with our core
+    (longmoe/ops/gated_delta.py), counted from its saved tensors, per value head in fp32:
+      chunked   (eager) the [C, C] decay/attention/system/inverse matrices (7C), v-wide and
+                k-wide chunk tensors (6 dv + 11 dk), the chunk states twice and the transitions
+                (2 dk dv / C + dk^2 / C); per key head the normalised q/k (2 dk); in the compute
+                dtype the conv input and output, the core's output and gate, and the norms.
+      compiled  (`chunked_compiled`, what GPUs run) what inductor's partitioner keeps: 6C,
+                3 dv + 7 dk, the states once and the transitions, ~6 per-token scalars; per key
+                head 2 norms; in the compute dtype the layer input, the conv input and output,
+                z, the core's output and the norm's output.
+    tests/test_plan.py checks both against saved_tensors_hooks on CPU (the compiled one through
+    the same partitioner inductor uses)."""
     b = a.compute_bytes
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, C = cfg.linear_key_head_dim, cfg.linear_value_head_dim, chunk
     conv_dim = 2 * hk * dk + hv * dv
+    if a.linear_core == "compiled":
+        fp32 = hv * (6 * C + 3 * dv + 7 * dk + dk * dv / C + dk * dk / C + 6) + 2 * hk
+        return int(4 * fp32 + b * (2 * conv_dim + 3 * hv * dv + cfg.hidden_size))
     fp32 = hv * (7 * C + 6 * dv + 11 * dk + 2 * dk * dv / C + dk * dk / C) + 2 * hk * dk
     return int(4 * fp32 + b * (2 * conv_dim + 4 * hv * dv + 2 * cfg.hidden_size))
 
