@@ -73,10 +73,8 @@ POINTS = [
                "steps, max allocator peak"),
     Point("longmoe hybrid, 1 x H200, 64K", "our H200 run (docs/benchmarks/h200x1): 109.7 GiB",
           109.7 * GiB, Layout(1, 1, 1, 1, 1), Workload(65536, ep_chunks=1), num_layers=4,
-          assumptions=Assumptions(linear_core="chunked"), within_10=False,
-          note="as the 32K point, 12% high: the estimate holds every tensor the core saves at "
-               "once (checked on CPU), and since the core keeps (I+L)^-1 and its GEMM inputs "
-               "that sum rose 3 GiB while the measured peak fell 0.5"),
+          assumptions=Assumptions(linear_core="chunked"),
+          note="as the 32K point"),
     Point("longmoe hybrid (compiled core), 1 x H200, 32K",
           "our H200 run (docs/benchmarks/h200x1/train_path_hybrid_32k.json): 82.8 GiB",
           82.8 * GiB, Layout(1, 1, 1, 1, 1), Workload(32768, ep_chunks=1), num_layers=4,
@@ -85,9 +83,8 @@ POINTS = [
     Point("longmoe hybrid (compiled core), 1 x H200, 64K",
           "our H200 run (docs/benchmarks/h200x1/train_path_hybrid_64k.json): 99.6 GiB",
           99.6 * GiB, Layout(1, 1, 1, 1, 1), Workload(65536, ep_chunks=1), num_layers=4,
-          assumptions=Assumptions(linear_core="compiled"), within_10=False,
-          note="11% high, as the 4-layer all-attention model at 64K is (96.0 GiB estimated, "
-               "85.7 measured in session 4): the excess lies outside the Gated DeltaNet term"),
+          assumptions=Assumptions(linear_core="compiled"),
+          note="as the 32K point"),
 ]
 
 

@@ -99,6 +99,7 @@ class Assumptions:
     adam_bytes: int = 8             # AdamW exp_avg + exp_avg_sq in fp32
     # Busiest EP rank's routed rows over the mean. Real RL batches are not balanced (the seeds
     # saw rank-max memory rise with imbalance without quantifying it); 1.25 is our assumption.
+    # With EP=1 one rank holds every expert and gets exactly top_k rows per token: 1.0 there.
     moe_imbalance: float = 1.25
     # Caching-allocator fragmentation over the dynamic bytes: variable-size MoE buffers leave
     # holes. 0.10 is a planning figure, not a measurement.
@@ -294,7 +295,7 @@ def moe_layer_bytes(cfg: ModelConfig, tokens: int, chunks: int, ep: int,
     """One MoE block's forward+backward alone (the seeds' single-layer experiment): its
     dense-side activations, routed-row buffers, this rank's experts in bf16 and their grads."""
     act = activation_bytes(cfg, a)
-    rows = tokens * cfg.top_k * a.moe_imbalance
+    rows = tokens * cfg.top_k * (a.moe_imbalance if ep > 1 else 1.0)
     dyn = tokens * (act["moe_dense"] + 2 * a.compute_bytes * cfg.hidden_size)
     dyn += rows * (act["routed_saved"] + act["routed_transient"] / max(1, chunks))
     weights = param_split(cfg)["layer_experts"] // ep * (a.compute_bytes + a.grad_bytes)
@@ -334,9 +335,10 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
 
     # ---- activations
     T = local_tokens(lay, w)
-    rows = T * cfg.top_k * a.moe_imbalance                 # routed rows on the busiest rank
+    imbalance = a.moe_imbalance if lay.ep > 1 else 1.0     # EP=1: every row is this rank's
+    rows = T * cfg.top_k * imbalance                       # routed rows on the busiest rank
     inflight = lay.pp if (first and lay.pp > 1) else 1     # 1F1B: stage 0 holds PP micro-batches
-    routed = act["routed_saved"] * cfg.top_k * a.moe_imbalance
+    routed = act["routed_saved"] * cfg.top_k * imbalance
     stored_tok = {"full": act["layer_input"],
                   "selective": act["layer_input"] + act["attn"],
                   "none": act["attn"] + act["moe_dense"] + routed}[w.recompute]
