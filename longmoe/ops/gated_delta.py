@@ -35,7 +35,8 @@ GATED_DELTA = Registry("gated_delta")
 class AffineScan(torch.autograd.Function):
     """S_{c+1} = M_c S_c + N_c for c = 0..n-1, returning all n+1 states [n+1, b, dk, dv].
 
-    One in-place baddbmm per step each way (out-of-place, each step also copied its addend: half
+    Where Triton runs, each direction is one kernel launch (ops/kernels/affine_scan.py);
+    elsewhere one in-place baddbmm per step each way (out-of-place, each step also copied its addend: half
     the kernels of the loop on a GPU). Autograd of the plain loop would keep every step's state twice
     (the baddbmm's input and the stacked copy) and run ~3 kernels per step in the backward; here
     the forward writes the states into one buffer, and the backward runs the adjoint recurrence
@@ -47,9 +48,13 @@ class AffineScan(torch.autograd.Function):
         n = trans.shape[0]
         states = s0.new_empty((n + 1,) + tuple(s0.shape))
         states[0] = s0
-        states[1:] = inject  # one copy up front; each step then adds its product in place
-        for c in range(n):
-            states[c + 1].baddbmm_(trans[c], states[c])
+        kernel = _scan_kernel(trans)
+        if kernel:
+            kernel(trans.contiguous(), inject.contiguous(), states, adjoint=False)
+        else:
+            states[1:] = inject  # one copy up front; each step then adds its product in place
+            for c in range(n):
+                states[c + 1].baddbmm_(trans[c], states[c])
         ctx.save_for_backward(trans, states)
         return states
 
@@ -57,13 +62,38 @@ class AffineScan(torch.autograd.Function):
     def backward(ctx, g):
         trans, states = ctx.saved_tensors
         n = trans.shape[0]
-        d = g.clone(memory_format=torch.contiguous_format)
-        trans_t = trans.transpose(-1, -2)
-        for c in range(n - 1, -1, -1):
-            d[c].baddbmm_(trans_t[c], d[c + 1])
+        kernel = _scan_kernel(trans)
+        if kernel:
+            g = g.contiguous()
+            d = torch.empty_like(states)
+            d[n] = g[n]
+            kernel(trans.contiguous(), g, d, adjoint=True)
+        else:
+            d = g.clone(memory_format=torch.contiguous_format)
+            trans_t = trans.transpose(-1, -2)
+            for c in range(n - 1, -1, -1):
+                d[c].baddbmm_(trans_t[c], d[c + 1])
         d_next = d[1:]
         d_trans = d_next @ states[:-1].transpose(-1, -2)
         return d_trans, d_next, d[0]
+
+
+def _scan_kernel(trans):
+    """The one-launch Triton scan (ops/kernels/affine_scan.py) where Triton runs (GPUs, or CPU
+    under TRITON_INTERPRET=1) for fp32 states with a power-of-two dk >= 16 (Qwen3.5: 128); None
+    means the loop of in-place baddbmm steps. The
+    kernel's tiles and its fast fp32 dot (TF32 where the GPU has it) come from the backend's
+    table; torch's "highest" fp32 matmul precision keeps IEEE fp32."""
+    from longmoe.ops.kernels import triton_ready
+    D = trans.shape[-1]
+    if trans.dtype != torch.float32 or D < 16 or D & (D - 1) or triton_ready(trans.device):
+        return None
+    from longmoe.backends import active_backend
+    from longmoe.ops.kernels.affine_scan import affine_scan
+    cfg = active_backend().kernel_config("affine_scan")
+    precision = ("ieee" if torch.get_float32_matmul_precision() == "highest"
+                 else cfg.get("fp32_fast", "ieee"))
+    return lambda t, a, out, adjoint: affine_scan(t, a, out, adjoint, cfg, precision)
 
 
 def affine_scan_reference(trans, inject, s0):

@@ -65,6 +65,19 @@ def _kernel_specs():
                        "stride_dwk": "i32",
                        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
                       lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
+    from longmoe.ops.kernels import affine_scan as sc
+    for adjoint in (False, True):
+        # BLOCK_D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs
+        specs.append(("affine_scan", f"affine_scan[{'adjoint' if adjoint else 'forward'}]",
+                      sc.affine_scan_kernel,
+                      {"m_ptr": "*fp32", "add_ptr": "*fp32", "out_ptr": "*fp32", "n_steps": "i32",
+                       "B": "i32", "V": "i32", "D": "constexpr",
+                       "BLOCK_K": "constexpr", "BLOCK_V": "constexpr", "ADJOINT": "constexpr",
+                       "PRECISION": "constexpr"},
+                      lambda c, a=adjoint: {"D": 128, "BLOCK_K": min(c["BLOCK_K"], 128),
+                                            "BLOCK_V": c["BLOCK_V"], "ADJOINT": a,
+                                            "PRECISION": c.get("fp32_fast", "ieee")},
+                      "num_warps"))
     return specs
 
 
