@@ -63,6 +63,18 @@ def test_selective_recompute_step_matches_world1(kw):
     assert res.ok, (seed, res.failures())
 
 
+def test_hybrid_compiled_core_under_context_parallel(monkeypatch):
+    # The GPU path (compiled core pieces, conv and gated norm) with CP 2: initial states, state
+    # summaries with extra value columns and conv halos all go through the traced graphs. On CPU
+    # the graphs run through the partitioner inductor uses, in every spawned rank.
+    monkeypatch.setenv("LONGMOE_FORCE_COMPILE", "aot_eager_decomp_partition")
+    seed = random.randrange(2**31)
+    res = step_case(2, seed, ep=1, chunks=1, recompute="full", fsdp=True, linear_ce="chunked",
+                    preset="tiny-hybrid", num_layers=4, cp=2, batch_size=2,
+                    gated_delta="chunked_compiled")
+    assert res.ok, (seed, res.failures())
+
+
 @pytest.mark.parametrize("nproc,cp,ep", [(2, 2, 1), (4, 4, 1), (4, 2, 2)])
 def test_hybrid_context_parallel_matches_world1(nproc, cp, ep):
     # Gated DeltaNet under the zigzag split: conv halos and per-piece state summaries exchanged

@@ -3,13 +3,15 @@ GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm). I
 each chain into fused Triton kernels for whichever GPU is present; the eager function stays the
 reference and the CPU path. One compiled callable per function per process, shapes static.
 
-`forced(backend)` runs the compiled path on any device with another torch.compile backend: tests
-use it on CPU with "aot_eager_decomp_partition", which partitions forward and backward (what gets
-saved) the way inductor does, without generating kernels."""
+`forced(backend)` (or LONGMOE_FORCE_COMPILE=<backend> in the environment, which reaches spawned
+ranks) runs the compiled path on any device with another torch.compile backend: tests use it on
+CPU with "aot_eager_decomp_partition", which partitions forward and backward (what gets saved)
+the way inductor does, without generating kernels."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable
 
 import torch
@@ -18,9 +20,13 @@ _CACHE: dict[tuple[Callable, str], Callable] = {}
 _FORCED: list[str] = []
 
 
+def _forced() -> str | None:
+    return _FORCED[-1] if _FORCED else os.environ.get("LONGMOE_FORCE_COMPILE") or None
+
+
 def compile_unavailable(device: torch.device) -> str | None:
     """None when compiled pieces can run on `device`, else why not."""
-    if _FORCED:
+    if _forced():
         return None
     if device.type == "cpu":
         return "compiled pieces are for GPUs (CPU runs the eager form)"
@@ -32,7 +38,7 @@ def compile_unavailable(device: torch.device) -> str | None:
 
 
 def compiled(fn: Callable) -> Callable:
-    backend = _FORCED[-1] if _FORCED else "inductor"
+    backend = _forced() or "inductor"
     if (fn, backend) not in _CACHE:
         _CACHE[(fn, backend)] = torch.compile(fn, backend=backend, dynamic=False)
     return _CACHE[(fn, backend)]
