@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from longmoe.backends import active_backend, availability, get_backend
+from longmoe.ops.gated_delta import gated_delta_choice
 
 
 def collect() -> dict[str, Any]:
@@ -37,7 +38,7 @@ def collect() -> dict[str, Any]:
         f = d / tuning_cache.FILE_NAME
         caches[str(f)] = f"{len(tuning_cache.load(f))} entries" if f.exists() else "absent"
     report.update(
-        gated_delta=_gated_delta_choice(dev),
+        gated_delta=gated_delta_choice(dev),
         a2a_transports=transports,
         tuning_caches=caches,
         backend_error=backend_error,
@@ -46,28 +47,6 @@ def collect() -> dict[str, Any]:
         missing=missing,
     )
     return report
-
-
-def _gated_delta_choice(dev) -> dict[str, Any]:
-    """Which Gated DeltaNet core `auto` runs here and why the faster ones do not, on a tiny input
-    (on a GPU this may run fla's one trial call), and the `longmoe recipe --linear-core` that
-    plans memory for it."""
-    import torch
-
-    from longmoe.ops.gated_delta import GATED_DELTA, _scan_kernel
-    q = torch.zeros(1, 64, 1, 16, device=dev)
-    g = torch.zeros(1, 64, 1, device=dev)
-    args = (q, q, q, g, g)
-    skipped = {}
-    for name in GATED_DELTA.names():
-        why = GATED_DELTA.why_not(name, *args)
-        if why is None:
-            break
-        skipped[name] = why
-    core = {"fla": "kernel", "chunked_compiled": "compiled"}.get(name, "chunked")
-    return {"auto": name, "skipped": skipped, "recipe_linear_core": core,
-            "state_scan": "triton kernel" if _scan_kernel(torch.zeros(1, 1, 16, 16, device=dev))
-            else "loop of baddbmm steps"}
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -95,7 +74,7 @@ def _print_rich(report: dict[str, Any]) -> None:
     summary.add_row("memory figure", report["memory_label"])
     gd = report["gated_delta"]
     summary.add_row("Gated DeltaNet core (auto)",
-                    f"{gd['auto']}; plan with `recipe --linear-core {gd['recipe_linear_core']}`")
+                    f"{gd['core']}; plan with `recipe --linear-core {gd['recipe_linear_core']}`")
     for name, why in gd["skipped"].items():
         summary.add_row(f"  not {name}", why)
     summary.add_row("  state scan", gd["state_scan"])

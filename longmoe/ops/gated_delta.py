@@ -273,3 +273,23 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
     v: [B, T, Hv, dv]; g (log decay, <= 0) and beta: [B, T, Hv]."""
     fn = GATED_DELTA.select(impl, q, k, v, g, beta, initial_state).fn
     return fn(q, k, v, g, beta, initial_state=initial_state)
+
+
+def gated_delta_choice(device, impl: str = "auto") -> dict:
+    """Which core `impl` runs on `device` and why the faster ones do not (a tiny input: on a GPU
+    this may run fla's one trial call), the state scan it uses, and the memory assumption that
+    plans for it (`longmoe recipe --linear-core`)."""
+    q = torch.zeros(1, 64, 1, 16, device=device)
+    g = torch.zeros(1, 64, 1, device=device)
+    args = (q, q, q, g, g)
+    skipped, name = {}, impl
+    if impl == "auto":
+        for name in GATED_DELTA.names():
+            why = GATED_DELTA.why_not(name, *args)
+            if why is None:
+                break
+            skipped[name] = why
+    core = {"fla": "kernel", "chunked_compiled": "compiled"}.get(name, "chunked")
+    scan = _scan_kernel(torch.zeros(1, 1, 16, 16, device=device))
+    return {"asked": impl, "core": name, "skipped": skipped, "recipe_linear_core": core,
+            "state_scan": "triton kernel" if scan else "loop of baddbmm steps"}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from longmoe.backends import active_backend, get_backend
 from longmoe.backends.base import Backend
 from longmoe.model.flops import dense_peak_flops, step_flops
+from longmoe.ops.gated_delta import gated_delta_choice
 from longmoe.parallel.mesh import build_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
@@ -113,6 +114,13 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     progress.info(f"longmoe: {world} rank(s) on {backend.name}, ep={layout.ep}, "
                   f"cp={layout.cp}, fsdp={run.parallel.fsdp}, recompute={run.parallel.recompute}, "
                   f"linear_ce={run.impl.linear_ce}, params {model_meta['num_layers']} layers")
+    if any(run.model.layer_type(i) == "linear_attention" for i in range(run.model.num_layers)):
+        gd = gated_delta_choice(device, run.impl.gated_delta)
+        why = "; ".join(f"not {k}: {v}" for k, v in gd["skipped"].items())
+        progress.info(f"Gated DeltaNet core {gd['core']} ({why or 'asked ' + gd['asked']}), "
+                      f"state scan {gd['state_scan']}")
+    progress.info(f"AdamW {impl}; fp32 matmuls "
+                  f"{'highest (CPU)' if backend.device_type == 'cpu' else run.impl.fp32_matmul}")
     moes = model.moe_layers()
     if moes and layout.ep > 1:
         d = moes[0].dispatcher
