@@ -76,7 +76,7 @@ class ImplConfig:
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
     # tensor cores (10-bit mantissa, finer than the bf16 inputs; on an H200 at 16K-64K tokens the
     # core's output moves by < 7e-4 of its largest entry, its bf16 input gradients by < 7e-3,
-    # about twice their own rounding; fwd+bwd 13-23% faster), "highest" keeps fp32. CPU runs
+    # about twice their own rounding; fwd+bwd 9-23% faster), "highest" keeps fp32. CPU runs
     # always use fp32.
     fp32_matmul: str = "high"
 
