@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from longmoe.ops.gated_delta import AffineScan, affine_scan_reference
+from _interpreter import last_json_line, run_interpreted
 
 
 @pytest.mark.parametrize("n,b,dk,dv", [(1, 1, 3, 2), (7, 3, 5, 4), (33, 2, 16, 9)])
@@ -44,10 +45,6 @@ def test_triton_scan_matches_the_loop_under_the_interpreter():
     """The one-launch Triton scan (forward and adjoint) on CPU under TRITON_INTERPRET=1 against
     the plain loop in fp64: odd step counts and column counts (partial column tiles), one step,
     dk 16..64; outputs and the gradients of M, N and S0."""
-    import json
-    import os
-    import subprocess
-    import sys
     code = (
         "import json, torch\n"
         "from longmoe.ops.gated_delta import AffineScan, affine_scan_reference, _scan_kernel\n"
@@ -66,12 +63,9 @@ def test_triton_scan_matches_the_loop_under_the_interpreter():
         "    want = [R] + list(torch.autograd.grad(R, ref_in, g.double()))\n"
         "    out.append([float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want)])\n"
         "print(json.dumps(out))\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LONGMOE_BACKEND": "cpu",
-           "TRITON_DEFAULT_FP_FUSION": "1"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600)
+    p = run_interpreted(["-c", code])
     assert p.returncode == 0, p.stderr[-2000:]
-    for errs in json.loads(p.stdout.strip().splitlines()[-1]):
+    for errs in last_json_line(p.stdout):
         assert max(errs) < 1e-5, errs
 
 

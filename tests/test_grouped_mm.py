@@ -7,6 +7,7 @@ import torch
 
 from longmoe.ops import grouped_mm
 from longmoe.paired.cases import grouped_mm_case
+from _interpreter import last_json_line, run_interpreted
 
 
 def test_loop_matches_per_row_reference():
@@ -51,21 +52,14 @@ def test_torch_grouped_mm_bf16_on_gpu():
 def test_triton_grouped_gemm_under_interpreter():
     # The portable Triton kernels (forward/dX and dW) on CPU tensors through Triton's interpreter,
     # against the loop reference: odd group sizes, empty groups, all-empty.
-    import json
-    import os
-    import subprocess
-    import sys
     code = ("import json, random\n"
             "from longmoe.paired.cases import grouped_mm_case\n"
             "out = [grouped_mm_case('triton', random.randrange(2**31), sizes=s, K=40, N=24).to_dict()"
             " for s in [(5, 0, 17, 1, 9), (0, 0, 4), (0, 0, 0), (33,)]]\n"
             "print(json.dumps(out))\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LONGMOE_BACKEND": "cpu",
-           "TRITON_DEFAULT_FP_FUSION": "1"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600)
+    p = run_interpreted(["-c", code])
     assert p.returncode == 0, p.stderr[-2000:]
-    for res in json.loads(p.stdout.strip().splitlines()[-1]):
+    for res in last_json_line(p.stdout):
         assert res["ok"] and res["candidate"] == "triton", res
 
 

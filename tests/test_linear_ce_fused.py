@@ -1,10 +1,7 @@
 """Fused-gradient losses (CE, GRPO/PPO) and the Triton row kernels against the references."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ import torch
 from longmoe.ops import linear_cross_entropy, linear_policy_loss
 from longmoe.backends.aot import compile_targets
 from longmoe.ops.kernels.aot import compile_all
+from _interpreter import run_interpreted
 from longmoe.paired.cases import policy_loss_case
 
 
@@ -82,10 +80,7 @@ def _has_gpu() -> bool:
 @pytest.mark.parametrize("primitive,impl", [("linear_ce", "triton"), ("policy_loss", "fused")])
 def test_triton_kernels_under_interpreter(primitive, impl):
     # The Triton row kernels run on CPU tensors through Triton's interpreter.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1",
-           "LONGMOE_BACKEND": "cpu"}
-    out = subprocess.run([sys.executable, "-m", "longmoe", "paired", primitive, "--impl", impl,
-                          "--json"], capture_output=True, text=True, env=env, timeout=600)
+    out = run_interpreted(["-m", "longmoe", "paired", primitive, "--impl", impl, "--json"])
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["ok"] and res["candidate"] == impl, res

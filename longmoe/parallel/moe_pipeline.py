@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
-from longmoe.parallel.expert_parallel import RoutePlan, source_major_to_expert_major
+from longmoe.parallel.expert_parallel import (RoutePlan, combine_rows,
+                                              source_major_to_expert_major)
 
 
 def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
@@ -149,16 +150,6 @@ def _experts_fwd(xg, w_in, w_out, rows, offs, impl):
         return xg.new_empty((0, w_in.shape[2])), xg.new_empty((0, w_out.shape[2]))
     h = grouped_mm(xg, w_in, rows, offs, impl=impl)
     return h, grouped_mm(swiglu(h), w_out, rows, offs, impl=impl)
-
-
-def combine_rows(rows_A, tk, w_A, top_k):
-    """Sum over k of w * row for each token of a chunk: rows_A and w_A in the chunk's sorted
-    order, tk the gather back to (token, k) order. A gather and a batched [1, K] x [K, H]
-    product: no atomics, deterministic, fp32 accumulation."""
-    H = rows_A.shape[1]
-    y = rows_A[tk].view(-1, top_k, H)
-    w = w_A[tk].view(-1, 1, top_k).to(y.dtype)
-    return torch.bmm(w, y).squeeze(1)
 
 
 def _chunked_wgrad(x_all, dy_all, plan: RoutePlan, w, impl):

@@ -11,8 +11,9 @@ contiguous.
 One program per (scan, block of BLOCK_V columns): columns evolve independently, so a program owns
 its columns for all n steps. Each step reads the previous state back from `out` (just written by
 this program, so a barrier orders it) in BLOCK_K-row slices against the matching columns of M:
-the state never has to fit in registers or shared memory whole, which keeps the kernel inside
-64 KiB of LDS on gfx942 as well as on sm_90. Tiles come from the backend's table ("affine_scan").
+the state never has to fit in registers or shared memory whole, so the kernel stays inside the
+smallest shared-memory budget of the compile targets (64 KiB). Tiles come from the backend's
+table ("affine_scan").
 """
 
 from __future__ import annotations

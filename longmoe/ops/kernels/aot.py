@@ -67,7 +67,7 @@ def _kernel_specs():
                       lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
     from longmoe.ops.kernels import affine_scan as sc
     for adjoint in (False, True):
-        # BLOCK_D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs
+        # D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs
         specs.append(("affine_scan", f"affine_scan[{'adjoint' if adjoint else 'forward'}]",
                       sc.affine_scan_kernel,
                       {"m_ptr": "*fp32", "add_ptr": "*fp32", "out_ptr": "*fp32", "n_steps": "i32",
