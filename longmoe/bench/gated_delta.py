@@ -86,7 +86,8 @@ def run_bench(tokens: list[int], variants: list[str], preset: str = "qwen3.5-35b
               warmup: int = 2, iters: int = 5, profile: str | None = None,
               profile_dir: str | None = None) -> dict:
     """`variants`: "impl" or "impl@precision" (precision: highest | high; high lets fp32
-    matmuls use TF32 on GPUs that have it); "sdpa" is the attention reference."""
+    matmuls use TF32 on GPUs that have it); "sdpa" is the attention reference, "sdpa:<backend>"
+    (flash, cudnn, efficient, math) the same attention pinned to one SDPA backend."""
     backend = active_backend()
     device = backend.device(0)
     cfg = PRESETS[preset]
@@ -101,8 +102,9 @@ def run_bench(tokens: list[int], variants: list[str], preset: str = "qwen3.5-35b
             impl, _, prec = name.partition("@")
             row = {"variant": name, "T": T}
             try:
-                if impl == "sdpa":
-                    row.update(_attention(T, cfg, device, dtype, backend, warmup, iters))
+                if impl.partition(":")[0] == "sdpa":
+                    row.update(_attention(T, cfg, device, dtype, backend, warmup, iters,
+                                          impl.partition(":")[2] or None))
                 else:
                     fn = _core(impl)
                     with _matmul_precision(prec or "highest"):
@@ -134,15 +136,21 @@ def run_bench(tokens: list[int], variants: list[str], preset: str = "qwen3.5-35b
             "warmup": warmup, "iters": iters, "results": results}
 
 
-def _attention(T, cfg, device, dtype, backend, warmup, iters):
-    """Causal SDPA with the preset's full-attention heads (GQA expanded as the model does)."""
+def _attention(T, cfg, device, dtype, backend, warmup, iters, sdpa_backend=None):
+    """Causal SDPA with the preset's full-attention heads (GQA as the model passes it), through
+    torch's own backend choice or pinned to `sdpa_backend`."""
+    from longmoe.ops.attention import sdpa_backends
     H, Hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g = torch.Generator(device=device).manual_seed(T)
     q = torch.randn(1, H, T, d, device=device, dtype=dtype, generator=g).requires_grad_()
     k = torch.randn(1, Hkv, T, d, device=device, dtype=dtype, generator=g).requires_grad_()
     v = torch.randn(1, Hkv, T, d, device=device, dtype=dtype, generator=g).requires_grad_()
-    fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        q, k, v, is_causal=True, enable_gqa=True)
+    pinned = sdpa_backends([sdpa_backend] if sdpa_backend else None)
+
+    def fn(q, k, v):
+        with pinned:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True)
     fwd, _ = _time(fn, [q, k, v], backend, warmup, iters, backward=False)
     both, peak = _time(fn, [q, k, v], backend, warmup, iters, backward=True)
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "extra_peak_bytes": int(peak),

@@ -117,8 +117,15 @@ def _rank(rank, world, backend, spec):
                     torch.autograd.backward([y, aux], [gy, torch.ones_like(aux)])
 
                 base = {"transport": transport, "priority": prio, "T": T}
+                if world == 1 and prio == spec["priorities"][0]:
+                    # One rank: the layer without the pipeline (what EP=1 training runs), beside
+                    # the pipeline at each chunk count, whose all-to-alls are local copies here.
+                    moe.dispatcher = ExpertDispatcher(E, None, 1)
+                    ms, peak = _timed(backend, step, spec["iters"])
+                    rows_out.append({**base, "kind": "direct", "ms": ms, "peak_bytes": peak})
                 for C in [c for c in spec["chunks"] if c <= T]:
-                    moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams)
+                    moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
+                                                      pipeline=world == 1)
                     ms, peak = _timed(backend, step, spec["iters"])
                     rows_out.append({**base, "kind": "layer", "chunks": C, "ms": ms,
                                      "peak_bytes": peak})
@@ -181,7 +188,7 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
             continue
         pick = lambda kind: next((r for r in rows if r["kind"] == kind and  # noqa: E731
                                   (r["transport"], r["T"]) == (tr, T)), None)
-        comm, gemm = pick("comm"), pick("gemm")
+        comm, gemm, direct = pick("comm"), pick("gemm"), pick("direct")
         best_c = min(layer, key=lambda c: layer[c]["ms"])
         dflt = default_chunks(T)
         base = layer[1]["ms"]
@@ -191,6 +198,8 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
              "nochunk_peak_gib": layer[1]["peak_bytes"] / 2**30,
              "best_peak_gib": layer[best_c]["peak_bytes"] / 2**30,
              "default_chunks": dflt}
+        if direct:
+            s["direct_ms"] = direct["ms"]
         if dflt in layer:
             s.update(default_ms=layer[dflt]["ms"], speedup_default=base / layer[dflt]["ms"] - 1)
         if comm and gemm:

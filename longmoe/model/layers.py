@@ -6,10 +6,10 @@ Legend: B batch, S sequence, H hidden, N query heads, K kv heads, D head dim, R 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longmoe.config import ModelConfig
+from longmoe.ops.attention import Attention as SDPA
 
 
 class RMSNorm(nn.Module):
@@ -63,6 +63,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.cp = None  # a parallel.context_parallel.ContextParallel when the sequence is split
+        self.sdpa = SDPA()  # impl.attention: the SDPA backend order (longmoe.ops.attention)
 
     def forward(self, x_BSH, cos_SR, sin_SR):
         cfg = self.cfg
@@ -82,9 +83,9 @@ class Attention(nn.Module):
         if self.cp is not None:  # local queries against the CP group's gathered keys/values
             k_BSKD, v_BSKD = self.cp.gather_kv(k_BSKD), self.cp.gather_kv(v_BSKD)
             o_BNSD = self.cp.attention(q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2),
-                                       v_BSKD.transpose(1, 2), enable_gqa=n != k)
+                                       v_BSKD.transpose(1, 2), enable_gqa=n != k, sdpa=self.sdpa)
         else:
-            o_BNSD = F.scaled_dot_product_attention(
+            o_BNSD = self.sdpa(
                 q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
                 is_causal=True, enable_gqa=n != k)
         o_BSND = o_BNSD.transpose(1, 2)

@@ -81,14 +81,16 @@ class ContextParallel:
     def local_pieces(self) -> tuple[int, int]:
         return self.rank, 2 * self.cp - 1 - self.rank
 
-    def attention(self, q_BNsD, k_BKSD, v_BKSD, enable_gqa: bool) -> torch.Tensor:
-        """Causal attention of the two local query pieces against the global keys/values."""
+    def attention(self, q_BNsD, k_BKSD, v_BKSD, enable_gqa: bool, sdpa=None) -> torch.Tensor:
+        """Causal attention of the two local query pieces against the global keys/values
+        (`sdpa`: the layer's longmoe.ops.attention.Attention; default torch's backend order)."""
+        sdpa = sdpa or F.scaled_dot_product_attention
         P = self.seq_len // (2 * self.cp)
         outs = []
         for piece, j in ((0, self.rank), (1, 2 * self.cp - 1 - self.rank)):
             q = q_BNsD[:, :, piece * P:(piece + 1) * P]
             end = (j + 1) * P  # keys at global positions < end; the last P align with q
-            outs.append(F.scaled_dot_product_attention(
+            outs.append(sdpa(
                 q, k_BKSD[:, :, :end], v_BKSD[:, :, :end], attn_mask=causal_lower_right(P, end),
                 enable_gqa=enable_gqa))
         return torch.cat(outs, dim=2)

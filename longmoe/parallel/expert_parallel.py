@@ -165,7 +165,7 @@ class ExpertDispatcher:
     which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
 
     def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
-                 streams=None, keep_outputs: bool = False):
+                 streams=None, keep_outputs: bool = False, pipeline: bool = False):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
@@ -182,12 +182,15 @@ class ExpertDispatcher:
         # False: drop the combined expert outputs after the forward and rebuild the router-weight
         # gradient on the expert side (one extra GEMM); True: keep them (T*K*H more memory).
         self.keep_outputs = keep_outputs
+        # True: the chunk pipeline even with one rank (its all-to-alls are then local copies),
+        # which measures what chunking itself costs on a single device.
+        self.pipeline = pipeline
 
     def __call__(self, x_TH, idx_TK, w_TK, experts, fill=None) -> torch.Tensor:
         """Routed expert output for x_TH, plus `fill()` (e.g. the shared expert) when given,
         which with expert parallelism runs while the last chunk's combine is in flight."""
         T, K = idx_TK.shape
-        if self.ep_size == 1:  # all experts here: one grouped GEMM pass over every token
+        if self.ep_size == 1 and not self.pipeline:  # all experts here: one grouped GEMM pass over every token
             plan = plan_routes(idx_TK, self.num_experts, 1)
             tok_A = plan.order_A // K
             y_AH = experts(x_TH[tok_A], plan.expert_rows[0], offs=plan.offs[0])

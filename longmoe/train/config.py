@@ -79,6 +79,9 @@ class ImplConfig:
     # about twice their own rounding; fwd+bwd 9-23% faster), "highest" keeps fp32. CPU runs
     # always use fp32.
     fp32_matmul: str = "high"
+    # SDPA backend to prefer for full attention: auto (the order the device backend's
+    # kernels.json lists for its arch, else torch's) | flash | cudnn | efficient | math.
+    attention: str = "auto"
 
     def __post_init__(self):
         from longmoe.ops import GROUPED_MM, LINEAR_CE, POLICY_LOSS, RECOMPUTE
@@ -90,6 +93,10 @@ class ImplConfig:
             if getattr(self, field) not in valid:
                 raise ConfigError(f"impl.{field}", f"unknown implementation "
                                   f"{getattr(self, field)!r}; valid: {', '.join(valid)}")
+        from longmoe.ops.attention import SDPA_NAMES
+        if self.attention not in ("auto", *SDPA_NAMES):
+            raise ConfigError("impl.attention", f"unknown implementation {self.attention!r}; "
+                              f"valid: auto, {', '.join(SDPA_NAMES)}")
         if self.fp32_matmul not in ("high", "highest"):
             raise ConfigError("impl.fp32_matmul", f"must be high or highest, got {self.fp32_matmul!r}")
         if self.ce_chunk_tokens < 0:

@@ -18,6 +18,8 @@ from longmoe.ops.recompute import apply_recompute
 from longmoe.parallel.context_parallel import ContextParallel
 from longmoe.backends import active_backend
 from longmoe.model.deltanet import GatedDeltaNet
+from longmoe.model.layers import Attention
+from longmoe.ops.attention import Attention as SDPA
 from longmoe.tuning import resolve_chunks
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 from longmoe.parallel.fsdp import apply_fsdp
@@ -48,6 +50,8 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     for m in model.modules():
         if isinstance(m, GatedDeltaNet):
             m.impl = run.impl.gated_delta
+        if isinstance(m, Attention):
+            m.sdpa = SDPA(run.impl.attention)
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, chunks,

@@ -1,0 +1,67 @@
+"""Scaled-dot-product attention through torch's SDPA with a backend preference.
+
+torch picks an SDPA backend by a fixed order (flash first). Which backend is fastest depends on the
+GPU and the head dim, so the order is data: `impl.attention` names one backend to prefer, or
+"auto" takes the order the active backend's kernels.json lists for its arch under "sdpa" (torch's
+own order where none is listed). A preferred backend that cannot serve a call (an unsupported
+mask, head dim or dtype) falls through to the next in the order, never to an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+SDPA_NAMES = ("flash", "cudnn", "efficient", "math")
+
+
+def _enum(name: str):
+    from torch.nn.attention import SDPBackend
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def sdpa_backends(order: list[str] | None):
+    """Context that lets SDPA use exactly `order`, tried in that order; None: torch's choice."""
+    if not order:
+        return contextlib.nullcontext()
+    bad = [n for n in order if n not in SDPA_NAMES]
+    if bad:
+        raise ValueError(f"unknown SDPA backend {bad[0]!r}; valid: {', '.join(SDPA_NAMES)}")
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel([_enum(n) for n in order], set_priority=True)
+
+
+def preferred_order(impl: str = "auto", device: torch.device | None = None) -> list[str] | None:
+    """The SDPA order for `impl` ("auto" or a backend name) on `device`; None leaves it to torch."""
+    if impl != "auto":
+        if impl not in SDPA_NAMES:
+            raise ValueError(f"unknown attention implementation {impl!r}; "
+                             f"valid: auto, {', '.join(SDPA_NAMES)}")
+        return [impl] + [n for n in SDPA_NAMES if n != impl]
+    if device is not None and device.type == "cpu":
+        return None
+    from longmoe.backends import active_backend
+    try:
+        return list(active_backend().kernel_config("sdpa")["order"])
+    except KeyError:
+        return None
+
+
+class Attention:
+    """SDPA with the order for one implementation choice, resolved once per device."""
+
+    def __init__(self, impl: str = "auto"):
+        preferred_order(impl)  # validate the name now (config time), not at the first call
+        self.impl = impl
+        self._orders: dict[str, list[str] | None] = {}
+
+    def __call__(self, q, k, v, *, is_causal=False, attn_mask=None, enable_gqa=False):
+        key = str(q.device)
+        if key not in self._orders:
+            self._orders[key] = preferred_order(self.impl, q.device)
+        with sdpa_backends(self._orders[key]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                  is_causal=is_causal, enable_gqa=enable_gqa)

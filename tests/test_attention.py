@@ -1,0 +1,82 @@
+"""SDPA with a backend preference (longmoe.ops.attention): same results as plain SDPA whichever
+backend serves the call, the config names the field on a bad value, and the order comes from data."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longmoe.ops.attention import SDPA_NAMES, Attention, preferred_order, sdpa_backends
+
+
+def _qkv(B, N, K, S, D, dtype, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda n: torch.randn(B, n, S, D, generator=g, device=device, dtype=dtype)  # noqa: E731
+    return [t.requires_grad_() for t in (mk(N), mk(K), mk(K))]
+
+
+def _grads(fn, q, k, v, w):
+    out = fn(q, k, v)
+    return [out.detach()] + list(torch.autograd.grad((out * w).sum(), (q, k, v)))
+
+
+@pytest.mark.parametrize("impl", ["auto", "math", "flash", "cudnn", "efficient"])
+def test_cpu_any_preference_matches_plain_sdpa(impl):
+    """On CPU every preference falls through to a backend that can serve the call: outputs and
+    gradients equal torch's own choice (GQA, odd length, causal)."""
+    q, k, v = _qkv(2, 6, 2, 37, 16, torch.float64)
+    w = torch.randn(2, 6, 37, 16, dtype=torch.float64)
+    ref = _grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True,
+                                                                enable_gqa=True), q, k, v, w)
+    got = _grads(lambda a, b, c: Attention(impl)(a, b, c, is_causal=True, enable_gqa=True),
+                 q, k, v, w)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_orders_and_errors():
+    assert preferred_order("cudnn")[0] == "cudnn"
+    assert sorted(preferred_order("flash")) == sorted(SDPA_NAMES)
+    assert preferred_order("auto", torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="fa3"):
+        Attention("fa3")
+    with pytest.raises(ValueError, match="nope"):
+        sdpa_backends(["nope"])
+
+
+def test_config_names_the_field():
+    from longmoe.errors import ConfigError
+    from longmoe.train.config import ImplConfig
+    assert ImplConfig(attention="cudnn").attention == "cudnn"
+    with pytest.raises(ConfigError, match=r"impl\.attention.*'fa3'"):
+        ImplConfig(attention="fa3")
+
+
+def test_auto_order_is_data(tmp_path):
+    """Each GPU backend's kernels.json may list an "sdpa" order per arch; every name in it is a
+    real backend."""
+    import json
+    from pathlib import Path
+    import longmoe.backends as b
+    for vendor in ("cuda", "rocm", "cpu"):
+        table = json.loads((Path(b.__file__).parent / vendor / "kernels.json").read_text())
+        for arch, buckets in table.get("sdpa", {}).items():
+            for cfg in buckets.values():
+                assert set(cfg["order"]) <= set(SDPA_NAMES), (vendor, arch)
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("impl", ["flash", "cudnn", "efficient", "auto"])
+def test_gpu_backends_match_math_bf16(impl):
+    """The model's attention shape (head dim 256, GQA 8:1, causal) in bf16 through each preferred
+    backend against the math backend in fp32."""
+    q, k, v = _qkv(1, 8, 1, 1000, 256, torch.bfloat16, device="cuda")
+    w = torch.randn(1, 8, 1000, 256, device="cuda", dtype=torch.bfloat16)
+    f32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    with sdpa_backends(["math"]):
+        ref = _grads(lambda a, b, c: F.scaled_dot_product_attention(
+            a, b, c, is_causal=True, enable_gqa=True), *f32, w.float())
+    got = _grads(lambda a, b, c: Attention(impl)(a, b, c, is_causal=True, enable_gqa=True),
+                 q, k, v, w)
+    for a, b in zip(got, ref):
+        scale = b.abs().max()
+        assert float((a.float() - b).abs().max() / scale) < 2e-2
