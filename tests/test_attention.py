@@ -80,3 +80,25 @@ def test_gpu_backends_match_math_bf16(impl):
     for a, b in zip(got, ref):
         scale = b.abs().max()
         assert float((a.float() - b).abs().max() / scale) < 2e-2
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("impl", ["auto", "flash", "cudnn"])
+def test_gpu_full_recompute_reruns_the_same_backend(impl):
+    """Under non-reentrant checkpoint the recomputed forward (run by the autograd engine's
+    thread) must pick the backend the first forward picked: a different one saves tensors of
+    another dtype and the checkpoint refuses them."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v = _qkv(1, 8, 1, 1000, 256, torch.bfloat16, device="cuda")
+    att = Attention(impl)
+    seen = []
+
+    def f(a, b, c):
+        with torch.no_grad(), sdpa_backends(preferred_order(impl, a.device)):
+            seen.append(int(torch._fused_sdp_choice(a, b, c, is_causal=True, enable_gqa=True)))
+        return att(a, b, c, is_causal=True, enable_gqa=True)
+    out = checkpoint(f, q, k, v, use_reentrant=False)
+    out.float().sum().backward()
+    print(impl, "order", preferred_order(impl, q.device), "torch default",
+          torch._C._get_sdp_priority_order(), "choices", seen)
+    assert q.grad is not None and torch.isfinite(q.grad).all()

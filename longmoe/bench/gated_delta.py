@@ -145,10 +145,8 @@ def _attention(T, cfg, device, dtype, backend, warmup, iters, sdpa_backend=None)
     q = torch.randn(1, H, T, d, device=device, dtype=dtype, generator=g).requires_grad_()
     k = torch.randn(1, Hkv, T, d, device=device, dtype=dtype, generator=g).requires_grad_()
     v = torch.randn(1, Hkv, T, d, device=device, dtype=dtype, generator=g).requires_grad_()
-    pinned = sdpa_backends([sdpa_backend] if sdpa_backend else None)
-
     def fn(q, k, v):
-        with pinned:
+        with sdpa_backends([sdpa_backend] if sdpa_backend else None):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True)
     fwd, _ = _time(fn, [q, k, v], backend, warmup, iters, backward=False)
