@@ -1,10 +1,15 @@
 """Scaled-dot-product attention through torch's SDPA with a backend preference.
 
 torch picks an SDPA backend by a fixed order (flash first). Which backend is fastest depends on the
-GPU and the head dim, so the order is data: `impl.attention` names one backend to prefer, or
-"auto" takes the order the active backend's kernels.json lists for its arch under "sdpa" (torch's
-own order where none is listed). A preferred backend that cannot serve a call (an unsupported
-mask, head dim or dtype) falls through to the next in the order, never to an error.
+GPU and the head dim, so the order is data: "auto" takes the order the active backend's
+kernels.json lists for its arch under "sdpa" (torch's own choice where none is listed, as for
+sm_90 now: on an H200 with torch 2.11 it already runs cuDNN for the Qwen3.5 attention shape,
+head dim 256 with GQA, 274 ms fwd+bwd at 64K tokens against 455 ms pinned to flash).
+`impl.attention: <name>` runs that backend only: a call it cannot serve fails with torch's
+"no available kernel" error rather than silently running another. Exclusive on purpose: with a
+fall-through order, a full-recompute run at 64K asked for flash first and its recomputed forward
+took another backend than the first forward (different saved RNG-state dtypes), which the
+checkpoint rejects.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ def sdpa_backends(order: list[str] | None):
 
 
 def preferred_order(impl: str = "auto", device: torch.device | None = None) -> list[str] | None:
-    """The SDPA order for `impl` ("auto" or a backend name) on `device`; None leaves it to torch."""
+    """The SDPA backends for `impl` ("auto" or a backend name) on `device`, in order; None leaves
+    the choice to torch."""
     if impl != "auto":
         if impl not in SDPA_NAMES:
             raise ValueError(f"unknown attention implementation {impl!r}; "
                              f"valid: auto, {', '.join(SDPA_NAMES)}")
-        return [impl] + [n for n in SDPA_NAMES if n != impl]
+        return [impl]
     if device is not None and device.type == "cpu":
         return None
     from longmoe.backends import active_backend
