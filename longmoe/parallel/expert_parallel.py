@@ -165,7 +165,7 @@ class ExpertDispatcher:
     which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
 
     def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
-                 streams=None, keep_outputs: bool = False, pipeline: bool = False):
+                 streams=None, pipeline: bool = False):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
@@ -179,9 +179,6 @@ class ExpertDispatcher:
             streams = HostStreams()
         self.num_experts, self.group, self.chunks, self.ep_size = num_experts, group, chunks, S
         self.transport, self.streams = transport, streams
-        # False: drop the combined expert outputs after the forward and rebuild the router-weight
-        # gradient on the expert side (one extra GEMM); True: keep them (T*K*H more memory).
-        self.keep_outputs = keep_outputs
         # True: the chunk pipeline even with one rank (its all-to-alls are then local copies),
         # which measures what chunking itself costs on a single device.
         self.pipeline = pipeline
@@ -198,7 +195,7 @@ class ExpertDispatcher:
             return y if fill is None else y + fill()
         from longmoe.parallel.moe_pipeline import ChunkPipeline
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group)
-        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams, self.keep_outputs)
+        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams)
         w_A = w_TK.reshape(-1)[plan.order_A]
         y_partial = experts(x_TH, pipe, w_A)
         return pipe.finish(y_partial, fill() if fill is not None else torch.zeros_like(y_partial))

@@ -67,11 +67,9 @@ def row_dot(a_MH: torch.Tensor, b_MH: torch.Tensor) -> torch.Tensor:
 class ChunkPipeline:
     """One layer's route plan plus how to move rows (transport) and order work (streams)."""
 
-    def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams,
-                 keep_outputs: bool = False):
+    def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams):
         self.plan, self.top_k, self.group = plan, top_k, group
         self.transport, self.streams = transport, streams
-        self.keep_outputs = keep_outputs
         self._metas = None
 
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
@@ -185,14 +183,12 @@ class _PipelinedExperts(torch.autograd.Function):
         plan, st = pipe.plan, pipe.streams
         C, H = len(plan.bounds), x_TH.shape[1]
         metas = pipe.metas()
-        keep = pipe.keep_outputs
         # The expert-major inputs of all chunks in one chunk-major buffer, so the backward's
         # weight gradient reads them without a copy.
         rs = pipe.row_slices()
         xg_all = x_TH.new_empty((rs[-1].stop, H))
-        # Combined expert outputs: one buffer kept for the backward, or one per chunk, dropped
-        # once accumulated (the backward then rebuilds what it needs on the expert side).
-        y_A = x_TH.new_empty((plan.order_A.numel(), H)) if keep else x_TH.new_empty((0, H))
+        # Combined expert outputs: one buffer per chunk, dropped once accumulated (the router
+        # weights' gradient is rebuilt on the expert side in the backward).
         comb = [None] * C
         y_TH = torch.empty_like(x_TH)
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
@@ -217,7 +213,7 @@ class _PipelinedExperts(torch.autograd.Function):
             recv[c] = None
             h, yg = _experts_fwd(xg, w_in, w_out, plan.expert_rows[c], plan.offs[c], impl)
             a0, a1 = pipe.arange(c)
-            comb[c] = y_A[a0:a1] if keep else x_TH.new_empty((a1 - a0, H))
+            comb[c] = x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
@@ -229,13 +225,13 @@ class _PipelinedExperts(torch.autograd.Function):
         y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
         pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
         st.pending.append(c_mark[C - 1])
-        ctx.save_for_backward(w_A, w_in, w_out, y_A, xg_all, *hs)
-        ctx.pipe, ctx.impl, ctx.keep = pipe, impl, keep
+        ctx.save_for_backward(w_A, w_in, w_out, xg_all, *hs)
+        ctx.pipe, ctx.impl = pipe, impl
         return y_TH
 
     @staticmethod
     def backward(ctx, g_TH):
-        w_A, w_in, w_out, y_A, xg_all, *hs = ctx.saved_tensors
+        w_A, w_in, w_out, xg_all, *hs = ctx.saved_tensors
         pipe, impl = ctx.pipe, ctx.impl
         plan, st = pipe.plan, pipe.streams
         st.flush_pending()  # a recomputed forward may have left its last combine in flight
@@ -244,17 +240,12 @@ class _PipelinedExperts(torch.autograd.Function):
         g_TH = started[0] if started else g_TH.contiguous()
         metas = pipe.metas()
         gx_TH = torch.empty_like(g_TH)
-        keep = ctx.keep
-        g_wA = torch.empty_like(w_A)
-        gw_A = None if keep else torch.empty(w_A.shape, dtype=torch.float32, device=w_A.device)
+        gw_A = torch.empty(w_A.shape, dtype=torch.float32, device=w_A.device)
         gw_mark = None
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
         gx_A = g_TH.new_empty((plan.order_A.numel(), H))
         recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
-        for c in range(C if keep else 0):  # router-weight gradient: <g, combined output>
-            a0, a1 = pipe.arange(c)
-            g_wA[a0:a1] = row_dot(g_TH[metas[c][0]], y_A[a0:a1]).to(g_wA.dtype)
         # The weight-gradient operands of all chunks, chunk-major, written in place as each
         # chunk's dgrad produces them; the wgrad itself is delayed to the end of the layer.
         rs = pipe.row_slices()
@@ -284,15 +275,14 @@ class _PipelinedExperts(torch.autograd.Function):
                 ga = grouped_mm(gy, w_out_t, rows, offs, impl=impl)          # dgrad
                 swiglu_backward(hs[c], ga, out=(gh, a))
                 gxg = grouped_mm(gh, w_in_t, rows, offs, impl=impl)
+                # Router weights: dL/dw = <g, y> with y = a W_out the expert's output. On the
+                # expert side gy = w g, so <gy, a W_out> = <gy W_out^T, a> = <ga, a> = w <g, y>:
+                # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y.
+                gw_e = row_dot(ga, a)
             else:
-                gxg = gy
+                gxg, gw_e = gy, gy.new_zeros((0,), dtype=torch.float32)
             c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
-            if not keep:
-                # <gy, expert output> on the expert side (gy = w * g, so this is w * <g, y>),
-                # from the output recomputed with one GEMM, sent back beside dX.
-                gw_e = (row_dot(gy, grouped_mm(a, w_out, rows, offs, impl=impl))
-                        if gy.shape[0] else gy.new_zeros((0,), dtype=torch.float32))
-                gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
+            gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
             if c:
@@ -302,12 +292,11 @@ class _PipelinedExperts(torch.autograd.Function):
         del a_all, gy_all
         dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
         accumulate(C - 1)
-        if not keep:
-            st.compute_waits(gw_mark)
-            w = w_A.float()
-            # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
-            # there, so any finite value is exact: 0.
-            g_wA = torch.where(w > 0, gw_A / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
+        st.compute_waits(gw_mark)
+        w = w_A.float()
+        # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
+        # there, so any finite value is exact: 0.
+        g_wA = torch.where(w > 0, gw_A / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
         return gx_TH, g_wA, dw_in, dw_out, None, None
 
 

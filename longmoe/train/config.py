@@ -26,9 +26,6 @@ class ParallelConfig:
     chunks: int | str = 1
     # Expert all-to-all transport: auto | process_group | symmetric_memory (backends/transports.py)
     a2a_transport: str = "auto"
-    # Keep each MoE layer's combined expert outputs (T*K*H) for the router-weight gradient
-    # instead of rebuilding it in the backward with one extra expert GEMM.
-    ep_keep_outputs: bool = False
     fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
     # none | selective | full, or one of those per layer (a list as long as model.num_layers)
     recompute: str | tuple = "none"

@@ -55,8 +55,7 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, chunks,
-                                          transport=transport, streams=streams,
-                                          keep_outputs=par.ep_keep_outputs)
+                                          transport=transport, streams=streams)
         moe.batch_group = layout.batch_group
     model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),
                                                  run.impl.recompute)
