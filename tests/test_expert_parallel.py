@@ -81,3 +81,22 @@ def test_combine_permuted_matches_index_add(T, K, H):
     torch.testing.assert_close(got, ref)
     for a, b in zip(torch.autograd.grad(got, (y, w), dy), torch.autograd.grad(ref, (y, w), dy)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("T,K,H,dtype", [(37, 3, 5, torch.float64), (64, 1, 8, torch.float64),
+                                         (29, 8, 16, torch.bfloat16)])
+def test_dispatch_rows_backward_sums_each_tokens_rows(T, K, H, dtype):
+    """The EP=1 dispatch gather's backward (gather to (token, k) order, sum over k) against
+    autograd's scatter-add of plain indexing."""
+    from longmoe.parallel.expert_parallel import dispatch_rows, inverse_permutation
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(T * K, generator=g)
+    x = torch.randn(T, H, generator=g, dtype=dtype, requires_grad=True)
+    got = dispatch_rows(x, order, inverse_permutation(order), K)
+    ref = x[order // K]
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    dy = torch.randn(T * K, H, generator=g, dtype=dtype)
+    (ga,), (gb,) = torch.autograd.grad(got, x, dy), torch.autograd.grad(ref, x, dy)
+    tol = {"rtol": 1e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(ga, gb, msg=f"seed {seed}", **tol)

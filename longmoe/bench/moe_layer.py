@@ -123,6 +123,9 @@ def _rank(rank, world, backend, spec):
                     moe.dispatcher = ExpertDispatcher(E, None, 1)
                     ms, peak = _timed(backend, step, spec["iters"])
                     rows_out.append({**base, "kind": "direct", "ms": ms, "peak_bytes": peak})
+                    if spec.get("trace_tokens") == T:  # C0 in the name: the unpipelined layer
+                        _trace(step, backend, Path(spec["trace_dir"]) /
+                               f"{transport}_T{T}_C0_rank{rank}.json")
                 for C in [c for c in spec["chunks"] if c <= T]:
                     moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
                                                       pipeline=world == 1)
