@@ -10,21 +10,30 @@ from torch import nn
 
 from longmoe.config import ModelConfig
 from longmoe.ops.attention import Attention as SDPA
+from longmoe.ops.compiled import compile_unavailable, compiled
+
+
+def rms_norm(x, weight, eps: float, unit_offset: bool):
+    """x / rms(x) * weight (or * (1 + weight) with `unit_offset`), in x's dtype. Normalised in
+    fp32: a bf16 mean of squares loses ~3 digits at H=2048; fp64 stays fp64 (references)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.to(xf.dtype) + 1.0 if unit_offset else weight.to(xf.dtype)
+    return (y * w).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
+    """On GPUs rms_norm runs compiled (one fused kernel each way; eagerly its fp32 casts, powers
+    and products took ~0.1 s of a 1.5 s step at 64K tokens on an H200); elsewhere eagerly."""
+
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in fp32: bf16 mean-of-squares loses ~3 digits at H=2048. fp64 stays fp64
-        # (high-precision references).
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.to(xf.dtype) + 1.0 if self.unit_offset else self.weight.to(xf.dtype)
-        return (y * w).to(x.dtype)
+        fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm)
+        return fn(x, self.weight, self.eps, self.unit_offset)
 
     def reset_parameters(self):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)

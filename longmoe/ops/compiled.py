@@ -25,9 +25,12 @@ def _forced() -> str | None:
 
 
 def compile_unavailable(device: torch.device) -> str | None:
-    """None when compiled pieces can run on `device`, else why not."""
+    """None when compiled pieces can run on `device`, else why not. LONGMOE_COMPILE=0 turns
+    them all off (eager everywhere: for debugging, or a GPU where inductor misbehaves)."""
     if _forced():
         return None
+    if os.environ.get("LONGMOE_COMPILE", "1") == "0":
+        return "turned off by LONGMOE_COMPILE=0"
     if device.type == "cpu":
         return "compiled pieces are for GPUs (CPU runs the eager form)"
     try:
