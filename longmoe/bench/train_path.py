@@ -101,17 +101,20 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
               "versions": backend.versions(), "extra": extra, "runs": []}
     with tempfile.TemporaryDirectory(prefix="longmoe-path-") as tmp:
         for T in tokens:
-            acc: dict = {"data.seq_len": T, "data.batch_size": 1, **extra}
+            acc: dict = {"data.seq_len": T, "data.batch_size": 1}
             for name, change in STAGES:
                 acc = {**acc, **change}
                 if stages and name not in stages:
                     continue
                 tag = f"{name.strip('+').replace(' ', '_')}-{T}"
-                res = _run(config, nproc, acc, steps, Path(tmp) / f"{tag}.jsonl", timeout,
+                # --set wins over the stage's own settings (e.g. a per-layer recompute list)
+                res = _run(config, nproc, {**acc, **extra}, steps, Path(tmp) / f"{tag}.jsonl",
+                           timeout,
                            str(Path(profile) / tag) if profile else None)
                 row = {"stage": name, "tokens_per_gpu": T, **res}
                 if name == "+chunked EP" and _ep(config, acc) == 1:
-                    row["note"] = "EP=1: no all-to-all, so this stage adds full recompute only"
+                    rc = extra.get("parallel.recompute", "full")
+                    row["note"] = f"EP=1: no all-to-all, so this stage adds recompute={rc} only"
                 report["runs"].append(row)
                 if out:  # after every run: a sweep cut short keeps what it measured
                     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +132,7 @@ def markdown_table(report: dict) -> str:
     for r in report["runs"]:
         if r["status"] == "ok":
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
-            stage = r["stage"] + (" (EP=1: full recompute only)" if r.get("note") else "")
+            stage = r["stage"] + (f" ({r['note'].split(',')[0]})" if r.get("note") else "")
             lines.append(f"| {r['tokens_per_gpu']} | {stage} | {r['hw_tflops_per_gpu']:.1f} | "
                          f"{r['model_tflops_per_gpu']:.1f} | {mfu} | {r['peak_mem_gib']:.1f} | "
                          f"{r['last_loss']:+.4f} |")
