@@ -12,5 +12,5 @@ done
 if [ -n "${PROFILE_DIR:-}" ]; then
   OUT=$OUT TOKENS=65536 STAGES="+chunked EP" RUN_TIMEOUT=200 TAG=_profiled PROFILE="$PROFILE_DIR" \
       bash bench/h200_train_path.sh
-  tar -C "$PROFILE_DIR" -cf "$OUT/profile.tar" . && rm -rf "$PROFILE_DIR"
+  tar -C "$PROFILE_DIR" -czf "$OUT/profile.tar.gz" . && rm -rf "$PROFILE_DIR"
 fi
