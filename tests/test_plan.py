@@ -348,3 +348,49 @@ def test_recipe_linear_core_chunked_plans_and_runs_our_core(tmp_path, capsys):
     assert cps["kernel"] == cps["compiled"] == 1
     assert peaks["kernel"] < peaks["compiled"]
     assert (peaks["chunked"] > peaks["kernel"] * 1.2 if cps["chunked"] == 1 else cps["chunked"] > 1)
+
+
+# ---- trailing layers without recompute (--keep-last) ------------------------------------------
+
+def test_keep_last_zero_is_full_recompute_and_more_costs_more():
+    from longmoe.plan.memory import Assumptions
+    cfg = get_preset(Q35).replace(num_layers=6)
+    a = Assumptions(linear_core="compiled")
+    lay = Layout(8, 1, 1, 8, 1)
+    base = estimate(cfg, lay, Workload(32768), a)
+    assert estimate(cfg, lay, Workload(32768, keep_last=0), a).peak == base.peak
+    peaks = [estimate(cfg, lay, Workload(32768, keep_last=k), a).peak for k in range(7)]
+    assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
+    # keeping every layer is the no-recompute estimate
+    assert peaks[6] == estimate(cfg, lay, Workload(32768, recompute="none"), a).peak
+    with pytest.raises(Exception, match="keep_last"):
+        estimate(cfg, Layout(8, 1, 2, 4, 1), Workload(32768, keep_last=1), a)
+    with pytest.raises(Exception, match="keep_last"):
+        Workload(32768, keep_last=-1)
+
+
+def test_keep_last_auto_is_the_most_that_fits_and_writes_a_per_layer_list(tmp_path):
+    def mk(keep):
+        return plan(get_preset(Q35), get_hardware("mi300x"), 8, Workload(65536), model_name=Q35,
+                    keep_last=keep)
+    p0 = mk(0)
+    assert p0.workload.keep_last == 0 and p0.keep_fits > 0
+    p = mk("auto")
+    k = p.workload.keep_last
+    assert k == p0.keep_fits and p.layout == p0.layout
+    assert p.memory.peak <= p.budget_bytes
+    over = estimate(get_preset(Q35), p.layout, replace(p.workload, keep_last=k + 1))
+    assert over.peak > p.budget_bytes
+    cfg = run_config(p)
+    assert cfg["parallel"]["recompute"] == ["full"] * (40 - k) + ["none"] * k
+    from_dict(cfg)
+    with pytest.raises(UserError, match=r"--keep-last: 40 layers .* at most"):
+        mk(40)
+
+
+@pytest.mark.parametrize("value,msg", [("x", "expected a number or auto"), ("-1", ">= 0")])
+def test_keep_last_cli_errors(capsys, value, msg):
+    assert main(["--model", Q35, "--hardware", "h200", "--gpus", "8", "--seq-len", "65536",
+                 "--keep-last", value]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-last" in err and msg in err

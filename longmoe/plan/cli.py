@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="also judge every cell of the TP x PP x EP x CP grid")
     r.add_argument("--tp", type=int, help="force a tensor-parallel size (default: 1)")
     r.add_argument("--recompute", default="full", choices=["full", "selective", "none"])
+    r.add_argument("--keep-last", default="0", metavar="N|auto",
+                   help="trailing layers that store activations instead of recomputing (auto: "
+                        "as many as the budget allows; default 0, the table says how many fit)")
     r.add_argument("--sharding", default="fsdp2", choices=["fsdp2", "dist_opt"],
                    help="FSDP2 (longmoe) or a Megatron-style distributed optimizer (comparison)")
     r.add_argument("--logits", default="linear_ce", choices=["linear_ce", "naive"])
@@ -74,11 +77,22 @@ def make_plan(a) -> tuple[Plan, ModelConfig]:
         raise UserError(f"--tp: must be >= 1, got {a.tp}")
     if not 0 <= a.headroom < 1:
         raise UserError(f"--headroom: must be in [0, 1), got {a.headroom}")
+    keep = a.keep_last if a.keep_last == "auto" else _nonneg_int(a.keep_last, "--keep-last")
     cfg, hw = resolve_model(a.model), get_hardware(a.hardware)
     w = Workload(a.seq_len, a.micro_batch, a.recompute, a.sharding, a.logits == "linear_ce",
                  ep_chunks=a.ep_chunks)
     return plan(cfg, hw, a.gpus, w, model_name=a.model, tp=a.tp, headroom=a.headroom,
-                a=Assumptions(linear_core=a.linear_core)), cfg
+                a=Assumptions(linear_core=a.linear_core), keep_last=keep), cfg
+
+
+def _nonneg_int(v: str, flag: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise UserError(f"{flag}: expected a number or auto, got {v!r}") from None
+    if n < 0:
+        raise UserError(f"{flag}: must be >= 0, got {n}")
+    return n
 
 
 def run(a) -> int:
@@ -124,8 +138,11 @@ def render_table(p: Plan) -> str:
         f"({hw.usable_gib} GiB usable, planning budget {p.budget_bytes / GiB:.1f} GiB)",
         f"  {lay.label} (DP {lay.dp}), {w.recompute} recompute, {w.sharding}, "
         f"{'linear CE' if w.linear_ce else 'naive logits'}, {p.ep_chunks} EP chunk(s)",
-        f"  local sequence {p.local_seq:,} tokens; estimated peak {m.peak / GiB:.1f} GiB per GPU",
-        "why:"]
+        f"  local sequence {p.local_seq:,} tokens; estimated peak {m.peak / GiB:.1f} GiB per GPU"]
+    if p.keep_fits > w.keep_last:
+        lines.append(f"  {p.keep_fits} trailing layer(s) could skip recompute within the budget "
+                     f"(--keep-last auto; now {w.keep_last})")
+    lines += ["why:"]
     lines += [f"  {k:<10}{v}" for k, v in p.reasons.items()]
     return "\n".join(lines + [m.table()])
 
@@ -154,7 +171,10 @@ def run_config(p: Plan, linear_core: str = "kernel") -> dict:
     return {
         "model": model,
         "parallel": {"ep": p.layout.ep, "chunks": p.ep_chunks, "fsdp": True,
-                     "recompute": w.recompute, "param_dtype": "bfloat16",
+                     "recompute": (w.recompute if not w.keep_last else
+                                   [w.recompute] * (p.num_layers - w.keep_last)
+                                   + ["none"] * w.keep_last),
+                     "param_dtype": "bfloat16",
                      "reduce_dtype": "float32", "cp": p.layout.cp, "pp": p.layout.pp,
                      "tp": p.layout.tp},
         "impl": impl,

@@ -80,10 +80,15 @@ class Workload:
     linear_ce: bool = True          # False: naive fp32 [T, V] logits
     ce_chunk_tokens: int = 0        # 0: the runtime's default (a 2 GiB fp32 logits chunk)
     ep_chunks: int = 0              # chunked EP; 0: longmoe.tuning.default_chunks(T)
+    # With recompute full/selective: the last `keep_last` layers store their activations instead
+    # (their backward runs first, so they are freed before any recomputed layer's working set).
+    keep_last: int = 0
 
     def __post_init__(self):
         if self.seq_len < 1 or self.micro_batch < 1:
             raise ConfigError("workload", "seq_len and micro_batch must be >= 1")
+        if self.keep_last < 0:
+            raise ConfigError("keep_last", f"must be >= 0, got {self.keep_last}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError("recompute", f"must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sharding not in SHARDING:
@@ -339,14 +344,27 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     rows = T * cfg.top_k * imbalance                       # routed rows on the busiest rank
     inflight = lay.pp if (first and lay.pp > 1) else 1     # 1F1B: stage 0 holds PP micro-batches
     routed = act["routed_saved"] * cfg.top_k * imbalance
+    norm = 8 * H + b * H
+
+    def stored_none(i: int) -> float:
+        """What layer i keeps without recompute: its token mixer's saved set (a Gated DeltaNet
+        layer keeps far more than attention with our core), the MoE's dense part and rows."""
+        linear = cfg.layer_type(i) == "linear_attention" and act["linear_attn"]
+        return (act["linear_attn"] + norm if linear else act["attn"]) + act["moe_dense"] + routed
+
+    keep = min(w.keep_last, L) if w.recompute != "none" else L
+    if keep and w.recompute != "none" and lay.pp > 1:
+        raise ConfigError("keep_last", "layers kept without recompute need PP=1")
     stored_tok = {"full": act["layer_input"],
-                  "selective": act["layer_input"] + act["attn"],
-                  "none": act["attn"] + act["moe_dense"] + routed}[w.recompute]
-    per_mb = L * T * stored_tok
+                  "selective": act["layer_input"] + act["attn"], "none": 0}[w.recompute]
+    kept_tok = sum(stored_none(i) for i in range(L - keep, L))   # per token, the kept layers
+    per_mb = T * ((L - keep) * stored_tok + kept_tok)
     n["activations"] = (f"{w.recompute} recompute: {stored_tok / 1024:.1f} KiB/token/layer "
-                        f"x {L} layers")
+                        f"x {L - keep} layers" + (f" + the last {keep} kept: "
+                                                  f"{kept_tok / 1024:.1f} KiB/token" if keep else ""))
+    working_none = T * 2 * b * max(H, cfg.num_heads * cfg.head_dim)   # gradient buffers only
     if w.recompute == "none":      # everything is stored; backward adds gradient buffers only
-        working = T * 2 * b * max(H, cfg.num_heads * cfg.head_dim)
+        working = working_none
     else:                          # the recomputed layer's saved set plus gradient buffers
         # the largest token mixer: a Gated DeltaNet layer's chunked core keeps far more per
         # token than attention does (activation_bytes: "linear_attn")
@@ -390,11 +408,20 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
         # appear, so their sum peaks at one end. With 1F1B micro-batches in flight (first stage)
         # the grads of earlier micro-batches are already there and the others' inputs are kept.
         lay_comm = unit_comm + kept + p2p + ring
+        if inflight == 1 and 0 < keep < L:
+            # By the first recomputed layer the kept layers' activations are gone and their
+            # grads have appeared.
+            phases.append(("layer backward (first recomputed)", g_head + g_layers * keep / L,
+                           per_mb - T * kept_tok, working, dispatch, 0, lay_comm))
         if inflight == 1:
-            phases.append(("layer backward (start)", g_head, per_mb, working, dispatch, 0,
+            # A kept layer goes first: gradient buffers only, its routed rows already stored.
+            phases.append(("layer backward (start)", g_head, per_mb,
+                           working_none if keep else working,
+                           rows * act["routed_transient"] / chunks if keep else dispatch, 0,
                            lay_comm))
             phases.append(("layer backward (end)", g_head + g_layers * (L - 1) / L,
-                           T * stored_tok, working, dispatch, 0, unit_last + kept + p2p + ring))
+                           T * (stored_none(0) if keep >= L else stored_tok), working, dispatch,
+                           0, unit_last + kept + p2p + ring))
         else:
             g_all = g_layers + g_head + g_embed
             phases.append(("layer backward", g_all, inflight * per_mb, working, dispatch, 0,

@@ -47,6 +47,8 @@ class Plan:
     budget_bytes: int
     reasons: dict
     ep_chunks: int
+    keep_fits: int = 0              # trailing layers that could skip recompute within the budget
+    num_layers: int = 0
 
     @property
     def local_seq(self) -> int:
@@ -57,7 +59,8 @@ class Plan:
         return {"model": self.model, "hardware": self.hardware.key, "gpus": self.gpus,
                 "seq_len": w.seq_len, "micro_batch": w.micro_batch,
                 "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp,
-                "recompute": w.recompute, "sharding": w.sharding,
+                "recompute": w.recompute, "keep_last": w.keep_last,
+                "keep_last_fits": self.keep_fits, "sharding": w.sharding,
                 "logits": "linear_ce" if w.linear_ce else "naive", "ep_chunks": self.ep_chunks,
                 "local_seq": self.local_seq, "tokens_per_rank": m.local_tokens,
                 "peak_bytes": m.peak, "peak_gib": round(m.peak / GiB, 2),
@@ -125,9 +128,23 @@ def check_gpus(hw: Hardware, gpus: int):
                         f"{n} GPUs per {hw.key} node; use {lo} or {hi}")
 
 
+def keep_last_fits(cfg: ModelConfig, lay: Layout, w: Workload, budget: int,
+                   a: Assumptions = Assumptions()) -> int:
+    """The most trailing layers that can store their activations instead of recomputing them
+    with the estimate still within `budget` (0 without recompute or with pipeline stages)."""
+    if w.recompute == "none" or lay.pp > 1:
+        return 0
+    k = 0
+    while k < cfg.num_layers and estimate(cfg, lay, replace(w, keep_last=k + 1), a).peak <= budget:
+        k += 1
+    return k
+
+
 def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: str = "",
          tp: int | None = None, a: Assumptions = Assumptions(), headroom: float = HEADROOM,
-         _suggest: bool = True) -> Plan:
+         keep_last: int | str = 0, _suggest: bool = True) -> Plan:
+    """`keep_last`: trailing layers stored without recompute (an int), or "auto" for as many as
+    the budget allows (chosen after the layout; the layout itself is planned without them)."""
     check_gpus(hw, gpus)
     budget = budget_bytes(hw, a, headroom)
     if budget <= 0:
@@ -213,8 +230,21 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
         f"longmoe.tuning default for {m.local_tokens:,} local tokens (one chunk's all-to-all "
         "hides under another's expert GEMMs)"))
     w = replace(w, ep_chunks=chunks)
+    fits = keep_last_fits(cfg, chosen.layout, w, budget, a)
+    keep = fits if keep_last == "auto" else int(keep_last)
+    if keep:
+        if keep > fits:
+            need = estimate(cfg, chosen.layout, replace(w, keep_last=keep), a).peak
+            raise UserError(f"--keep-last: {keep} layers without recompute need "
+                            f"{need / GiB:.1f} GiB on {chosen.layout.label}, over the "
+                            f"{budget / GiB:.1f} GiB budget; at most {fits} fit")
+        w = replace(w, keep_last=keep)
+        reasons["recompute"] = (f"{w.recompute} recompute on layers 0-{cfg.num_layers - keep - 1}; "
+                                f"the last {keep} keep their activations (their backward runs "
+                                f"first, freeing them before any recompute), saving their "
+                                f"recomputed forward: {keep} of {cfg.num_layers} layers")
     return Plan(model_name, hw, gpus, w, chosen.layout, estimate(cfg, chosen.layout, w, a),
-                budget, reasons, chunks)
+                budget, reasons, chunks, fits, cfg.num_layers)
 
 
 def _no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom, suggest) -> str:
