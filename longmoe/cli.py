@@ -121,11 +121,21 @@ def _cmd_bench_delta(a) -> int:
         tokens, iters, preset = [128], 1, "tiny-hybrid"
     else:
         tokens, iters, preset = _ints(a.tokens, "--tokens"), a.iters, a.preset
+    from longmoe.ops.attention import SDPA_NAMES
+    from longmoe.ops.gated_delta import GATED_DELTA
     variants = [v for v in a.variants.split(",") if v]
     for v in variants:
         impl, _, prec = v.partition("@")
         if prec and prec not in ("highest", "high"):
             raise UserError(f"--variants: {v!r}: precision must be highest or high")
+        kind, _, sdpa = impl.partition(":")
+        if kind == "sdpa":
+            if sdpa and sdpa not in SDPA_NAMES:
+                raise UserError(f"--variants: {v!r}: SDPA backend must be one of "
+                                f"{', '.join(SDPA_NAMES)}")
+        elif impl not in GATED_DELTA.names():
+            raise UserError(f"--variants: {v!r}: unknown core; valid: "
+                            f"{', '.join(GATED_DELTA.names())}, sdpa[:backend]")
     report = run_bench(tokens, variants, preset, iters=iters, profile=a.profile,
                        profile_dir=a.profile_dir)
     write_report(report, a.out)

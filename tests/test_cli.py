@@ -281,3 +281,13 @@ def test_demo_prints_summary(demo):
         assert label in p.stdout, label
     assert "2 rank(s) on cpu, ep=2, cp=1, fsdp=True, recompute=full, linear_ce=chunked" in p.stdout
     assert "chunked EP: chunks=2 (config), all-to-all process_group" in p.stdout
+
+
+@pytest.mark.parametrize("variants,msg", [("chunked,foo", "'foo': unknown core"),
+                                          ("sdpa:fa3", "SDPA backend must be one of"),
+                                          ("chunked@low", "precision must be")])
+def test_bench_gated_delta_rejects_bad_variants(capsys, variants, msg):
+    from longmoe.cli import main
+    assert main(["bench", "gated-delta", "--smoke", "--variants", variants]) == 2
+    err = capsys.readouterr().err
+    assert "--variants" in err and msg in err
