@@ -106,9 +106,13 @@ def _cmd_bench_moe(a) -> int:
     count = backend.probe().get("device_count") or 0
     if backend.device_type != "cpu" and a.nproc > count:
         raise UserError(f"--nproc: {a.nproc} ranks but only {count} {backend.name} device(s)")
+    from longmoe.parallel.expert_parallel import CHUNK_BY
+    if a.chunk_by not in CHUNK_BY:
+        raise UserError(f"--chunk-by: must be one of {', '.join(CHUNK_BY)}, got {a.chunk_by!r}")
     report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
-                       trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke)
+                       trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
+                       chunk_by=a.chunk_by)
     write_report(report, a.out)
     return 0
 
@@ -209,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(default: the backend's auto choice)")
     bm.add_argument("--priorities", help="comm-stream priorities (default: the backend's)")
     bm.add_argument("--nproc", type=int, default=2, help="EP ranks (one per device)")
+    bm.add_argument("--chunk-by", default="tokens",
+                    help="tokens (token ranges) or experts (ranges of each rank's experts)")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")

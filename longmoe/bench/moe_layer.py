@@ -126,12 +126,14 @@ def _rank(rank, world, backend, spec):
                     if spec.get("trace_tokens") == T:  # C0 in the name: the unpipelined layer
                         _trace(step, backend, Path(spec["trace_dir"]) /
                                f"{transport}_T{T}_C0_rank{rank}.json")
-                for C in [c for c in spec["chunks"] if c <= T]:
+                by = spec.get("chunk_by", "tokens")
+                limit = T if by == "tokens" else E // world
+                for C in [c for c in spec["chunks"] if c <= limit]:
                     moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
-                                                      pipeline=world == 1)
+                                                      pipeline=world == 1, chunk_by=by)
                     ms, peak = _timed(backend, step, spec["iters"])
                     rows_out.append({**base, "kind": "layer", "chunks": C, "ms": ms,
-                                     "peak_bytes": peak})
+                                     "peak_bytes": peak, "chunk_by": by})
                     if spec.get("trace_tokens") == T and C in spec["trace_chunks"] and \
                             prio == spec["priorities"][0]:
                         _trace(step, backend, Path(spec["trace_dir"]) /
@@ -215,7 +217,7 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
-              smoke=False) -> dict:
+              smoke=False, chunk_by="tokens") -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -226,11 +228,12 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
     spec = {"model": dataclasses.asdict(cfg), "dtype": dtype, "tokens": tokens, "chunks": chunks,
             "transports": transports, "priorities": priorities, "iters": iters,
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
-            "trace_dir": str(trace_dir or "")}
+            "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
-        "bench": "moe-layer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "bench": "moe-layer", "chunk_by": chunk_by,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
         "backend": backend.name, "versions": backend.versions(),
         "env": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE",

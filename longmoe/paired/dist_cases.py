@@ -52,7 +52,7 @@ def _run_layer(moe: MoE, x, c):
     return {"y": y.detach(), "dx": x.grad, "aux": aux.detach(), "grads": grads}
 
 
-def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport):
+def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, chunk_by):
     cfg = model_from_dict(cfg_dict)
     moe = MoE(cfg, ep_rank=rank, ep_size=world)
     init_params(moe, cfg, seed)
@@ -62,7 +62,8 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport):
     moe.to(dev)
     moe.dispatcher = ExpertDispatcher(cfg.num_experts, dist.group.WORLD, chunks,
                                       transport=backend.a2a(transport, dev),
-                                      streams=backend.streams(), pipeline=True)
+                                      streams=backend.streams(), pipeline=True,
+                                      chunk_by=chunk_by)
     moe.batch_group = dist.group.WORLD
     x, c = _layer_inputs(cfg, seed, rank, T, skew)
     out = _run_layer(moe, x.to(dev), c.to(dev))
@@ -71,13 +72,13 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport):
 
 
 def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
-            device="cpu", transport="auto") -> PairedResult:
+            device="cpu", transport="auto", chunk_by="tokens") -> PairedResult:
     """`device` names the backend the ranks run on ("cpu", "cuda", "rocm"); the reference is
     always one CPU process in fp32. The ranks always run the chunk pipeline (with nproc=1 too,
     where its all-to-alls are local)."""
     cfg = get_preset("tiny").replace(top_k=top_k, num_experts=num_experts, router_aux_loss_coef=1e-2)
     ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew, transport,
-                      device=device)
+                      chunk_by, device=device)
     ref_moe = MoE(cfg)
     init_params(ref_moe, cfg, seed)
     if skew:

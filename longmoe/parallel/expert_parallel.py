@@ -29,6 +29,10 @@ class RoutePlan:
     order_A: torch.Tensor            # assignments sorted by (chunk, expert)
     rows_CL: torch.Tensor | None = None  # [C, L] rows per (chunk, local expert), on device
     offs: list[torch.Tensor] | None = None  # per chunk: int32 end row of each local expert (device)
+    a_ranges: list[tuple[int, int]] | None = None  # per chunk: its rows of order_A
+    # Chunks by expert: chunk c holds every token's assignments to local experts
+    # expert_bounds[c] (on every rank), so each expert's rows sit in one chunk.
+    expert_bounds: list[tuple[int, int]] | None = None
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -45,16 +49,37 @@ def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None) -> RoutePlan:
+CHUNK_BY = ("tokens", "experts")
+
+
+def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
+                by: str = "tokens") -> RoutePlan:
+    """Route plan for `chunks` pieces of the layer's assignments: contiguous token ranges
+    (by="tokens"), or ranges of each rank's local experts (by="experts": chunk c takes every
+    token's assignments to local experts expert_bounds[c] on every rank, so a chunk's grouped
+    GEMMs read only its experts' weights, each once per layer, with all of its rows)."""
     T, K = idx_TK.shape
     S = dist.get_world_size(group) if group is not None else 1
     me = dist.get_rank(group) if group is not None else 0
     L = num_experts // S
-    bounds = chunk_bounds(T, chunks)
-    C = len(bounds)
-    chunk_T = _chunk_of_token(T, C, idx_TK.device)
+    if by not in CHUNK_BY:
+        raise ValueError(f"chunk_by must be one of {', '.join(CHUNK_BY)}, got {by!r}")
     # Clamped so that a bad index cannot break the counting; it is reported after the host copy.
-    key = (chunk_T[:, None] * num_experts + idx_TK.clamp(0, num_experts - 1)).reshape(-1)
+    idx = idx_TK.clamp(0, num_experts - 1)
+    if by == "tokens":
+        bounds = chunk_bounds(T, chunks)
+        C, ebounds = len(bounds), None
+        chunk_A = _chunk_of_token(T, C, idx_TK.device)[:, None]
+    else:
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if chunks > L:
+            raise ValueError(f"chunks={chunks} exceeds the {L} local experts per rank "
+                             "(chunks by expert)")
+        ebounds = chunk_bounds(L, chunks)
+        C, bounds = chunks, [(0, T)] * chunks
+        chunk_A = _chunk_of_token(L, C, idx_TK.device)[idx % L]
+    key = (chunk_A * num_experts + idx).reshape(-1)
     order_A = torch.argsort(key, stable=True)
     counts_CE = torch.bincount(key, minlength=C * num_experts).view(C, num_experts)
     if S > 1:
@@ -77,12 +102,17 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None)
     rows = host[C * S * S:]
     rows_CL = recv_SCL.sum(0)
     offs_CL = rows_CL.cumsum(1).to(torch.int32)  # grouped GEMM offsets, built without a host copy
-    plan = RoutePlan(bounds, mat, [], [], [], [], order_A, rows_CL, list(offs_CL.unbind(0)))
+    plan = RoutePlan(bounds, mat, [], [], [], [], order_A, rows_CL, list(offs_CL.unbind(0)),
+                     [], ebounds)
+    a0 = 0
     for c in range(C):
         plan.send.append(list(mat[c][me]))
         plan.recv.append([mat[c][s][me] for s in range(S)])
         plan.expert_rows.append(rows[c * L:(c + 1) * L])
         plan.recv_SL.append(recv_SCL[:, c])
+        n = sum(plan.send[c]) if ebounds else (bounds[c][1] - bounds[c][0]) * K
+        plan.a_ranges.append((a0, a0 + n))
+        a0 += n
     return plan
 
 
@@ -193,12 +223,18 @@ class ExpertDispatcher:
     which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
 
     def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
-                 streams=None, pipeline: bool = False):
+                 streams=None, pipeline: bool = False, chunk_by: str = "tokens"):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if chunk_by not in CHUNK_BY:
+            raise ValueError(f"chunk_by must be one of {', '.join(CHUNK_BY)}, got {chunk_by!r}")
+        if chunk_by == "experts" and chunks > num_experts // S:
+            raise ValueError(f"chunks={chunks} exceeds the {num_experts // S} local experts per "
+                             "rank (chunks by expert)")
+        self.chunk_by = chunk_by
         if transport is None:
             from longmoe.backends.transports import ProcessGroupA2A
             transport = ProcessGroupA2A()
@@ -223,7 +259,7 @@ class ExpertDispatcher:
             y = combine_permuted(y_AH, plan.order_A, w_TK, inv)
             return y if fill is None else y + fill()
         from longmoe.parallel.moe_pipeline import ChunkPipeline
-        plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group)
+        plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group, self.chunk_by)
         pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams)
         w_A = w_TK.reshape(-1)[plan.order_A]
         y_partial = experts(x_TH, pipe, w_A)

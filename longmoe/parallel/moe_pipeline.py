@@ -94,8 +94,19 @@ class ChunkPipeline:
 
     # --- per-chunk index metadata (device tensors; no host sync) --------------------------
     def arange(self, c: int) -> tuple[int, int]:
-        s, e = self.plan.bounds[c]
-        return s * self.top_k, e * self.top_k
+        """Chunk c's rows of the sorted assignments (order_A)."""
+        return self.plan.a_ranges[c]
+
+    @property
+    def by_experts(self) -> bool:
+        return self.plan.expert_bounds is not None
+
+    def experts(self, c: int) -> slice:
+        """The local experts chunk c's GEMMs use: all of them for token chunks, its own range
+        for expert chunks (the other experts have no rows in it)."""
+        if self.plan.expert_bounds is None:
+            return slice(None)
+        return slice(*self.plan.expert_bounds[c])
 
     def row_slices(self) -> list[slice]:
         """Where each chunk's received rows sit in the layer's chunk-major row buffers."""
@@ -107,9 +118,10 @@ class ChunkPipeline:
 
     def metas(self):
         """Per chunk: (token of each sent row, received->expert-major gather, its inverse, and
-        the gather putting the chunk's sorted rows back in (token, k) order for the combine).
-        Built for all chunks at once (a handful of kernels per layer, not per chunk) and kept for
-        the backward."""
+        the gather putting the chunk's sorted rows back in (token, k) order for the combine;
+        None for expert chunks, which combine all rows at once through `tk_all`, the same gather
+        for the whole layer). Built for all chunks at once (a handful of kernels per layer, not
+        per chunk) and kept for the backward."""
         if self._metas is None:
             p, K = self.plan, self.top_k
             A = p.order_A.numel()
@@ -117,6 +129,7 @@ class ChunkPipeline:
             tok_A = p.order_A // K
             tk_A = torch.empty_like(p.order_A)
             tk_A[p.order_A] = torch.arange(A, device=dev)
+            self.tk_all = tk_A
             rs = self.row_slices()
             perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
             inv_all = torch.empty_like(perm_all)
@@ -125,7 +138,7 @@ class ChunkPipeline:
             for c, r in enumerate(rs):
                 a0, a1 = self.arange(c)
                 out.append((tok_A[a0:a1], perm_all[r] - r.start, inv_all[r] - r.start,
-                            tk_A[a0:a1] - a0))
+                            None if self.by_experts else tk_A[a0:a1] - a0))
             self._metas = out
         return self._metas
 
@@ -134,7 +147,8 @@ class ChunkPipeline:
         over all chunks, their int32 end offsets) for the delayed weight gradient."""
         p = self.plan
         total = sum(sum(r) for r in p.expert_rows)
-        perm = source_major_to_expert_major(p.rows_CL, total)
+        # Expert chunks: chunk-major already is expert-major (no gather: None).
+        perm = None if self.by_experts else source_major_to_expert_major(p.rows_CL, total)
         sizes = [sum(col) for col in zip(*p.expert_rows)]
         return perm, sizes, p.rows_CL.sum(0).cumsum(0).to(torch.int32)
 
@@ -173,6 +187,8 @@ def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
     if len(plan.bounds) == 1:
         return grouped_mm_wgrad(x_all, dy_all, plan.expert_rows[0], w, impl, plan.offs[0])
     perm, sizes, offs = pipe.expert_major()
+    if perm is None:
+        return grouped_mm_wgrad(x_all, dy_all, sizes, w, impl, offs)
     return grouped_mm_wgrad(x_all.index_select(0, perm), dy_all.index_select(0, perm), sizes, w,
                             impl, offs)
 
@@ -190,7 +206,11 @@ class _PipelinedExperts(torch.autograd.Function):
         # Combined expert outputs: one buffer per chunk, dropped once accumulated (the router
         # weights' gradient is rebuilt on the expert side in the backward).
         comb = [None] * C
-        y_TH = torch.empty_like(x_TH)
+        by_e = pipe.by_experts
+        # Expert chunks return each token's rows over several chunks: one buffer for all, reduced
+        # once at the end (in _FinishCombine); token chunks reduce each chunk into its slice.
+        y_A = x_TH.new_empty((plan.order_A.numel(), H)) if by_e else None
+        y_TH = torch.zeros_like(x_TH) if by_e else torch.empty_like(x_TH)
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
         def dispatch(c):
@@ -211,19 +231,24 @@ class _PipelinedExperts(torch.autograd.Function):
             xg = xg_all[rs[c]]
             torch.index_select(recv[c], 0, metas[c][1], out=xg)
             recv[c] = None
-            h, yg = _experts_fwd(xg, w_in, w_out, plan.expert_rows[c], plan.offs[c], impl)
+            ex = pipe.experts(c)
+            h, yg = _experts_fwd(xg, w_in[ex], w_out[ex], plan.expert_rows[c][ex],
+                                 plan.offs[c][ex], impl)
             a0, a1 = pipe.arange(c)
-            comb[c] = x_TH.new_empty((a1 - a0, H))
+            comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
-            if c:
+            if c and not by_e:
                 accumulate(c - 1)
             hs.append(h)
-        a0, a1 = pipe.arange(C - 1)
-        s, e = plan.bounds[C - 1]
-        y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
-        pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
+        if by_e:  # every chunk's combine lands in _FinishCombine, reduced there at once
+            pipe.last = (c_mark[C - 1], (0, x_TH.shape[0]), pipe.tk_all, y_A, w_A)
+        else:
+            a0, a1 = pipe.arange(C - 1)
+            s, e = plan.bounds[C - 1]
+            y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
+            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
         st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_A, w_in, w_out, xg_all, *hs)
         ctx.pipe, ctx.impl = pipe, impl
@@ -269,12 +294,13 @@ class _PipelinedExperts(torch.autograd.Function):
             gy, gh, a = gy_all[rs[c]], gh_all[rs[c]], a_all[rs[c]]
             torch.index_select(recv[c], 0, metas[c][1], out=gy)
             recv[c] = None
-            rows, offs = plan.expert_rows[c], plan.offs[c]
+            ex = pipe.experts(c)
+            rows, offs = plan.expert_rows[c][ex], plan.offs[c][ex]
             a0, a1 = pipe.arange(c)
             if gy.shape[0]:
-                ga = grouped_mm(gy, w_out_t, rows, offs, impl=impl)          # dgrad
+                ga = grouped_mm(gy, w_out_t[ex], rows, offs, impl=impl)      # dgrad
                 swiglu_backward(hs[c], ga, out=(gh, a))
-                gxg = grouped_mm(gh, w_in_t, rows, offs, impl=impl)
+                gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
                 # Router weights: dL/dw = <g, y> with y = a W_out the expert's output. On the
                 # expert side gy = w g, so <gy, a W_out> = <gy W_out^T, a> = <ga, a> = w <g, y>:
                 # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y.
@@ -285,13 +311,17 @@ class _PipelinedExperts(torch.autograd.Function):
             gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             if c + 2 < C:
                 dispatch(c + 2)
-            if c:
+            if c and not pipe.by_experts:
                 accumulate(c - 1)
         # The layer's weight gradients run under the last chunk's combine.
         dw_out = _chunked_wgrad(a_all, gy_all, pipe, w_out, impl)
         del a_all, gy_all
         dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
-        accumulate(C - 1)
+        if pipe.by_experts:  # each token's dX rows came back over several chunks: sum them now
+            st.compute_waits(c_mark[C - 1])
+            gx_TH = gx_A[pipe.tk_all].view(-1, K, H).sum(1)
+        else:
+            accumulate(C - 1)
         st.compute_waits(gw_mark)
         w = w_A.float()
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w

@@ -24,6 +24,9 @@ class ParallelConfig:
     # chunked EP: token chunks per MoE layer, or "auto" (tuning cache, else formula; see
     # longmoe.tuning)
     chunks: int | str = 1
+    # What a chunk is: "tokens" (a token range) or "experts" (a range of each rank's local
+    # experts, every token's assignments to them; chunks must not exceed the local experts)
+    chunk_by: str = "tokens"
     # Expert all-to-all transport: auto | process_group | symmetric_memory (backends/transports.py)
     a2a_transport: str = "auto"
     fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
@@ -46,6 +49,8 @@ class ParallelConfig:
                                       not isinstance(self.chunks, int) or self.chunks < 1):
             raise ConfigError("parallel.chunks", f"must be an integer >= 1 or auto, "
                                                  f"got {self.chunks!r}")
+        if self.chunk_by not in ("tokens", "experts"):
+            raise ConfigError("parallel.chunk_by", f"must be tokens or experts, got {self.chunk_by!r}")
         from longmoe.backends.collective import TRANSPORT_NAMES
         if self.a2a_transport not in ("auto",) + TRANSPORT_NAMES:
             raise ConfigError("parallel.a2a_transport",

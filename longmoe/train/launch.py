@@ -37,6 +37,11 @@ def validate(run: RunConfig, nproc: int):
     if run.parallel.chunks != "auto" and run.parallel.chunks > per_rank_tokens:
         raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the "
                         f"{per_rank_tokens} tokens a rank holds per layer")
+    local_experts = run.model.num_experts // run.parallel.ep
+    if run.parallel.chunk_by == "experts" and run.parallel.chunks != "auto" and \
+            run.parallel.chunks > local_experts:
+        raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the {local_experts} "
+                        f"local experts per rank (parallel.chunk_by=experts)")
     if run.data.seq_len > run.model.max_seq_len:
         raise UserError(f"data.seq_len: {run.data.seq_len} exceeds model.max_seq_len="
                         f"{run.model.max_seq_len}")

@@ -47,6 +47,9 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     local_tokens = run.data.batch_size * run.data.seq_len // layout.cp
     chunks, model.chunks_source = resolve_chunks(par.chunks, backend, layout.ep, cfg.hidden_size,
                                                  cfg.top_k, par.param_dtype, local_tokens)
+    if par.chunk_by == "experts" and chunks > cfg.num_experts // layout.ep:  # "auto" may ask more
+        chunks = cfg.num_experts // layout.ep
+        model.chunks_source += f"; at most the {chunks} local experts (chunk_by=experts)"
     for m in model.modules():
         if isinstance(m, GatedDeltaNet):
             m.impl = run.impl.gated_delta
@@ -55,7 +58,8 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, chunks,
-                                          transport=transport, streams=streams)
+                                          transport=transport, streams=streams,
+                                          chunk_by=par.chunk_by)
         moe.batch_group = layout.batch_group
     model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),
                                                  run.impl.recompute)
