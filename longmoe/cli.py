@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(default: the backend's auto choice)")
     bm.add_argument("--priorities", help="comm-stream priorities (default: the backend's)")
     bm.add_argument("--nproc", type=int, default=2, help="EP ranks (one per device)")
-    bm.add_argument("--chunk-by", default="tokens",
-                    help="tokens (token ranges) or experts (ranges of each rank's experts)")
+    bm.add_argument("--chunk-by", default="experts",
+                    help="experts (ranges of each rank's experts, the default) or tokens")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")

@@ -36,6 +36,9 @@ def test_ep_pipeline_on_two_gpus(transport):
     seed = random.randrange(2**31)
     res = ep_case(2, seed, T=301, chunks=4, top_k=2, device="cuda", transport=transport)
     assert res.ok, (seed, res.failures())
+    res = ep_case(2, seed, T=301, chunks=3, top_k=2, device="cuda", transport=transport,
+                  chunk_by="tokens")
+    assert res.ok, (seed, res.failures())
     res = ep_case(2, seed, T=64, chunks=3, top_k=1, skew=True, device="cuda", transport=transport)
     assert res.ok, (seed, res.failures())
 

@@ -369,8 +369,11 @@ def test_chunked_dispatch_matches_unchunked(gen):
     x0 = randn(gen, 3, 7, cfg.hidden_size)
     g_out = randn(gen, *x0.shape)
 
-    def run(chunks):
-        moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, chunks=chunks)
+    def run(chunks, by="experts"):
+        # chunks > 1: the chunk pipeline in one process (its all-to-alls are copies) against
+        # the unpipelined layer
+        moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, chunks=chunks, chunk_by=by,
+                                          pipeline=chunks > 1)
         moe.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_(True)
         y, aux = moe(x)
@@ -379,8 +382,8 @@ def test_chunked_dispatch_matches_unchunked(gen):
         return y.detach(), x.grad.clone(), grads
 
     y1, gx1, g1 = run(1)
-    for chunks in (3, 21):
-        yc, gxc, gc = run(chunks)
+    for chunks, by in ((3, "tokens"), (21, "tokens"), (3, "experts"), (cfg.num_experts, "experts")):
+        yc, gxc, gc = run(chunks, by)
         torch.testing.assert_close(yc, y1, atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(gxc, gx1, atol=1e-12, rtol=1e-12)
         assert g1.keys() == gc.keys() and "experts.w_in" in g1 and "router.weight" in g1

@@ -24,6 +24,10 @@ def check_inputs(seq_lens: list[int], chunks: list[int], ep: int, num_experts: i
         for c in chunks:
             if T % c:
                 raise UserError(f"--chunks: {c} does not divide --seq-lens value {T}")
+    for c in chunks:  # the sweep chunks by expert ranges (the trainer's default)
+        if c > num_experts // ep:
+            raise UserError(f"--chunks: {c} exceeds the {num_experts // ep} local experts "
+                            f"per rank at --ep {ep}")
 
 
 def choose(rows: list[dict], T: int) -> dict:

@@ -126,7 +126,7 @@ def _rank(rank, world, backend, spec):
                     if spec.get("trace_tokens") == T:  # C0 in the name: the unpipelined layer
                         _trace(step, backend, Path(spec["trace_dir"]) /
                                f"{transport}_T{T}_C0_rank{rank}.json")
-                by = spec.get("chunk_by", "tokens")
+                by = spec.get("chunk_by", "experts")
                 limit = T if by == "tokens" else E // world
                 for C in [c for c in spec["chunks"] if c <= limit]:
                     moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
@@ -217,7 +217,7 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
-              smoke=False, chunk_by="tokens") -> dict:
+              smoke=False, chunk_by="experts") -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks

@@ -72,7 +72,7 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, c
 
 
 def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
-            device="cpu", transport="auto", chunk_by="tokens") -> PairedResult:
+            device="cpu", transport="auto", chunk_by="experts") -> PairedResult:
     """`device` names the backend the ranks run on ("cpu", "cuda", "rocm"); the reference is
     always one CPU process in fp32. The ranks always run the chunk pipeline (with nproc=1 too,
     where its all-to-alls are local)."""

@@ -223,7 +223,7 @@ class ExpertDispatcher:
     which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
 
     def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
-                 streams=None, pipeline: bool = False, chunk_by: str = "tokens"):
+                 streams=None, pipeline: bool = False, chunk_by: str = "experts"):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")

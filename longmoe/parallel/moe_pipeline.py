@@ -61,7 +61,7 @@ def swiglu_backward(h_MF2: torch.Tensor, ga_MF: torch.Tensor, out=None):
 def row_dot(a_MH: torch.Tensor, b_MH: torch.Tensor) -> torch.Tensor:
     """sum_h a[m, h] * b[m, h], accumulated in fp32: two kernels over the inputs' dtype instead
     of fp32 copies of both operands."""
-    return (a_MH * b_MH).sum(-1, dtype=torch.float32)
+    return (a_MH * b_MH).sum(-1, dtype=torch.promote_types(a_MH.dtype, torch.float32))
 
 
 class ChunkPipeline:
@@ -159,7 +159,9 @@ class ChunkPipeline:
         st.comm_uses(inp)
         m = p.matrix[c]
         with st.comm():
-            if reverse:
+            if self.group is None:  # one process, no group: the all-to-all of one rank is a copy
+                out.copy_(inp)
+            elif reverse:
                 mt = [list(r) for r in zip(*m)]
                 self.transport(out, inp, p.send[c], p.recv[c], self.group, mt)
             else:
@@ -265,7 +267,8 @@ class _PipelinedExperts(torch.autograd.Function):
         g_TH = started[0] if started else g_TH.contiguous()
         metas = pipe.metas()
         gx_TH = torch.empty_like(g_TH)
-        gw_A = torch.empty(w_A.shape, dtype=torch.float32, device=w_A.device)
+        acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
+        gw_A = torch.empty(w_A.shape, dtype=acc, device=w_A.device)
         gw_mark = None
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
         gx_A = g_TH.new_empty((plan.order_A.numel(), H))
@@ -306,7 +309,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y.
                 gw_e = row_dot(ga, a)
             else:
-                gxg, gw_e = gy, gy.new_zeros((0,), dtype=torch.float32)
+                gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
             c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
             gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             if c + 2 < C:
@@ -323,7 +326,7 @@ class _PipelinedExperts(torch.autograd.Function):
         else:
             accumulate(C - 1)
         st.compute_waits(gw_mark)
-        w = w_A.float()
+        w = w_A.to(acc)
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
         # there, so any finite value is exact: 0.
         g_wA = torch.where(w > 0, gw_A / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
