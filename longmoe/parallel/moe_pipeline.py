@@ -20,8 +20,11 @@ weight-sized tensor (0.75 ms per chunk and weight for 128 local experts on an H2
 (chunk, expert)-grouped GEMM's C partials plus their sum; scattering rows into an expert-major
 layout as each chunk finishes (index_put) ran at a third of copy bandwidth, the gather at full.
 
-Combines never use atomics: chunks are token ranges, so each chunk's K rows per token are gathered
-back to (token, k) order and reduced with one batched [1, K] x [K, H] product into its own slice.
+A chunk is a range of each rank's local experts (plan.expert_bounds: every token's assignments to
+them; its GEMMs read only those experts' weights) or a token range. Combines never use atomics:
+rows are gathered back to (token, k) order and reduced with one batched [1, K] x [K, H] product,
+per chunk into its token slice for token chunks, once at the end over all rows for expert chunks
+(a token's rows come back over several chunks).
 Grouped-GEMM offsets come from the route plan on the device: no host list reaches the device
 inside the layer (each would be a stream synchronisation).
 
