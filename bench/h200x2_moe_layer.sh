@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The MoE-layer benchmark on two GPUs of one host (EP=2), as run on 2xH200 (device tool):
 # every GPU-marked test, then one Qwen3.5-35B-A3B-shaped MoE layer at 4K..64K local
-# tokens, chunks 1 (baseline) to 8, both all-to-all transports, with profiler traces at 16K.
+# tokens, chunks 1 (baseline) to 8 by expert range (the default), both all-to-all transports,
+# with profiler traces at 16K; then token-range chunks on NCCL for comparison.
 # STAGE=variants instead measures comm-stream priority 0 vs -1 and CUDA_DEVICE_MAX_CONNECTIONS=1.
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -18,6 +19,10 @@ if [ "$STAGE" = main ]; then
       --trace-dir "$OUT/traces" --out "$OUT/moe_layer_h200x2.json" 2>&1 \
       | grep -v "^USDT\|profiler_st\|Warning\|_warn_once\|warnings.warn\|return func" \
       | tail -30 | tee -a "$OUT/log.txt"
+  # The same sweep with token-range chunks (the default chunks by expert range), NCCL only.
+  timeout 200 python3 -m longmoe bench moe-layer --nproc 2 --chunk-by tokens \
+      --tokens 4096,16384,65536 --chunks 1,2,4,8 --transports process_group \
+      --out "$OUT/moe_layer_h200x2_tokens.json" 2>&1 | grep "^| process" | tee -a "$OUT/log.txt"
   # One archive of the critical rank's traces (the device tool returns at most 8 files).
   tar -C "$OUT" -cf "$OUT/moe_layer_traces.tar" traces && rm -rf "$OUT/traces"
 else
