@@ -57,10 +57,18 @@ def test_runtime_prefers_a_matching_cache_entry(tmp_path, monkeypatch):
     n, src = resolve_chunks("auto", cpu, 2, 64, 2, "float32", 20000)
     assert (n, src) == (2, f"formula {FORMULA}")
     key = cache.make_key("cpu", cpu.arch, "cpu", 2, 64, 2, "float32", 2048)
-    cache.save(tmp_path, {key: {"chunks": 4}})
+    cache.save(tmp_path, {key: {"chunks": 4, "chunk_by": "experts"}})
     monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
     n, src = resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048)
     assert n == 4 and "tuning cache" in src and key in src
+    # an entry measured with the other kind of chunk (or before chunk_by existed: tokens) is not
+    # used, and the source says why
+    n, src = resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048, chunk_by="tokens")
+    assert src.startswith("formula") and "measured with experts chunks" in src
+    cache.save(tmp_path, {key: {"chunks": 4}})
+    assert resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048, chunk_by="tokens")[0] == 4
+    assert "measured with tokens chunks" in resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048)[1]
+    cache.save(tmp_path, {key: {"chunks": 4, "chunk_by": "experts"}})
     # another bucket, hidden size or EP size does not match
     assert resolve_chunks("auto", cpu, 2, 64, 2, "float32", 4097)[1].startswith("formula")
     assert resolve_chunks("auto", cpu, 4, 64, 2, "float32", 2048)[1].startswith("formula")

@@ -32,14 +32,20 @@ def cache_key_for(backend, ep: int, hidden: int, top_k: int, dtype: str, local_t
 
 
 def resolve_chunks(setting, backend, ep: int, hidden: int, top_k: int, dtype: str,
-                   local_tokens: int) -> tuple[int, str]:
-    """(chunks, where the number came from) for a `parallel.chunks` setting (int or "auto")."""
+                   local_tokens: int, chunk_by: str = "experts") -> tuple[int, str]:
+    """(chunks, where the number came from) for a `parallel.chunks` setting (int or "auto").
+    A cache entry counts only for the kind of chunk it was measured with (entries without a
+    `chunk_by` were measured with token chunks, before expert chunks existed)."""
     if setting != "auto":
         return int(setting), "config"
+    note = ""
     if ep > 1:
         from longmoe.tuning.cache import lookup
         key = cache_key_for(backend, ep, hidden, top_k, dtype, local_tokens)
         entry, path = lookup(key)
-        if entry is not None:
+        if entry is not None and entry.get("chunk_by", "tokens") == chunk_by:
             return min(int(entry["chunks"]), local_tokens), f"tuning cache {path} [{key}]"
-    return min(default_chunks(local_tokens), local_tokens), f"formula {FORMULA}"
+        if entry is not None:
+            note = (f" (the tuning cache's entry for this layer was measured with "
+                    f"{entry.get('chunk_by', 'tokens')} chunks, not {chunk_by})")
+    return min(default_chunks(local_tokens), local_tokens), f"formula {FORMULA}{note}"

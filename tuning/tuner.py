@@ -115,6 +115,7 @@ def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], ou
             entries[key] = {**{k: res[k] for k in ("chunks", "transport", "ms", "nochunk_ms",
                                                     "speedup")},
                             "hidden_fraction": res.get("hidden_fraction"), "local_tokens": T,
+                            "chunk_by": rep["chunk_by"],
                             "device": rep["device"], "date": rep["date"],
                             "torch": rep["versions"].get("torch")}
             bar.advance(task)

@@ -46,7 +46,8 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
     transport, streams = backend.a2a(par.a2a_transport, device), backend.streams()
     local_tokens = run.data.batch_size * run.data.seq_len // layout.cp
     chunks, model.chunks_source = resolve_chunks(par.chunks, backend, layout.ep, cfg.hidden_size,
-                                                 cfg.top_k, par.param_dtype, local_tokens)
+                                                 cfg.top_k, par.param_dtype, local_tokens,
+                                                 par.chunk_by)
     if par.chunk_by == "experts" and chunks > cfg.num_experts // layout.ep:  # "auto" may ask more
         chunks = cfg.num_experts // layout.ep
         model.chunks_source += f"; at most the {chunks} local experts (chunk_by=experts)"
