@@ -364,9 +364,7 @@ def test_moe_matches_dense_reference(gen, kw):
                                msg=f"seed {gen.initial_seed()}")
 
 
-def test_chunked_dispatch_matches_unchunked(gen, monkeypatch):
-    import longmoe.parallel.local_experts as le
-    monkeypatch.setattr(le, "_BLOCK_TOKENS", 5)  # the combine's token blocks: 21 tokens, 5 blocks
+def test_chunked_dispatch_matches_unchunked(gen):
     moe, cfg = _moe(gen)
     x0 = randn(gen, 3, 7, cfg.hidden_size)
     g_out = randn(gen, *x0.shape)

@@ -42,7 +42,7 @@ class _LocalExpertsFn(torch.autograd.Function):
         yg = grouped_mm(swiglu(h), w_out, rows, offs, impl=impl)
         ctx.save_for_backward(xg, h, w_A, w_in, w_out)
         ctx.loc, ctx.impl = loc, impl
-        return _by_token_blocks(lambda tk: combine_rows(yg, tk, w_A, K), loc.tk_A, K)
+        return combine_rows(yg, loc.tk_A, w_A, K)
 
     @staticmethod
     def backward(ctx, g_TH):
@@ -51,33 +51,15 @@ class _LocalExpertsFn(torch.autograd.Function):
         p, K, tk = loc.plan, loc.top_k, loc.tk_A
         rows, offs = p.expert_rows[0], p.offs[0]
         g_TH = g_TH.contiguous()
-        # Ordered so that each [A, *] temporary dies as soon as its last reader has run.
         gy = g_TH.index_select(0, p.order_A // K) * w_A[:, None].to(g_TH.dtype)
         ga = grouped_mm(gy, w_out.transpose(1, 2), rows, offs, impl=impl)
         gh, a = swiglu_backward(h, ga)
+        gxg = grouped_mm(gh, w_in.transpose(1, 2), rows, offs, impl=impl)
         acc = torch.promote_types(g_TH.dtype, torch.float32)
         w = w_A.to(acc)
         gw = row_dot(ga, a)  # = w <g, y>; w = 0 only where softmax underflowed: gradient 0
-        del ga
         g_wA = torch.where(w > 0, gw / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
+        gx_TH = gxg[tk].view(-1, K, gxg.shape[1]).sum(1)
         dw_out = grouped_mm_wgrad(a, gy, rows, w_out, impl, offs)
-        del a, gy
-        gxg = grouped_mm(gh, w_in.transpose(1, 2), rows, offs, impl=impl)
         dw_in = grouped_mm_wgrad(xg, gh, rows, w_in, impl, offs)
-        del gh
-        H = gxg.shape[1]
-        gx_TH = _by_token_blocks(lambda t: gxg[t].view(-1, K, H).sum(1), tk, K)
         return gx_TH, g_wA, dw_in, dw_out, None, None
-
-
-_BLOCK_TOKENS = 8192  # tests set it small to run the blocked path
-
-
-def _by_token_blocks(fn, tk_A: torch.Tensor, K: int) -> torch.Tensor:
-    """fn(tk) -> [tokens, H] for the (token, k) gather `tk`, run over blocks of tokens and
-    concatenated: the gathered [rows, H] copy each call makes stays a block, not [A, H]."""
-    T = tk_A.numel() // K
-    if T <= _BLOCK_TOKENS:
-        return fn(tk_A)
-    return torch.cat([fn(tk_A[s * K:min(T, s + _BLOCK_TOKENS) * K])
-                      for s in range(0, T, _BLOCK_TOKENS)])
