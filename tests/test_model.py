@@ -369,11 +369,11 @@ def test_chunked_dispatch_matches_unchunked(gen):
     x0 = randn(gen, 3, 7, cfg.hidden_size)
     g_out = randn(gen, *x0.shape)
 
-    def run(chunks, by="experts", local="autograd"):
-        # chunks > 1: the chunk pipeline in one process (its all-to-alls are copies); chunks = 1:
-        # the EP = 1 layer as plain ops under autograd (the reference) or as one Function
+    def run(chunks, by="experts"):
+        # chunks > 1: the chunk pipeline in one process (its all-to-alls are copies) against
+        # the unpipelined layer
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, chunks=chunks, chunk_by=by,
-                                          pipeline=chunks > 1, local=local)
+                                          pipeline=chunks > 1)
         moe.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_(True)
         y, aux = moe(x)
@@ -382,10 +382,8 @@ def test_chunked_dispatch_matches_unchunked(gen):
         return y.detach(), x.grad.clone(), grads
 
     y1, gx1, g1 = run(1)
-    for chunks, by, local in ((3, "tokens", "autograd"), (21, "tokens", "autograd"),
-                              (3, "experts", "autograd"), (cfg.num_experts, "experts", "autograd"),
-                              (1, "experts", "function")):
-        yc, gxc, gc = run(chunks, by, local)
+    for chunks, by in ((3, "tokens"), (21, "tokens"), (3, "experts"), (cfg.num_experts, "experts")):
+        yc, gxc, gc = run(chunks, by)
         torch.testing.assert_close(yc, y1, atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(gxc, gx1, atol=1e-12, rtol=1e-12)
         assert g1.keys() == gc.keys() and "experts.w_in" in g1 and "router.weight" in g1
@@ -424,26 +422,3 @@ def test_init_deterministic_and_layout_independent():
     w = fp["layers.0.moe.experts.w_in"]
     assert not torch.equal(w[: E // 2], w[E // 2:])
     assert not torch.equal(fp["layers.0.attn.q_proj.weight"], fp["layers.1.attn.q_proj.weight"])
-
-
-def test_local_experts_function_keeps_half_the_activations(gen):
-    """EP = 1 as one Function saves the gathered rows and the first GEMM's output only; plain
-    autograd also keeps the SwiGLU output (twice) and the expert outputs for the combine."""
-    moe, cfg = _moe(gen, hidden_size=64, moe_ffn_size=16, shared_expert_ffn_size=0)
-    x = randn(gen, 1, 50, cfg.hidden_size).requires_grad_(True)
-    params = {p.data_ptr() for p in moe.parameters()}
-
-    def saved_bytes(local):
-        moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, local=local)
-        seen = {}
-
-        def pack(t):
-            if t.data_ptr() not in params and t.is_floating_point():
-                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            moe(x)
-        return sum(seen.values())
-    A, H, F = 50 * cfg.top_k, cfg.hidden_size, cfg.moe_ffn_size
-    fn, ag = saved_bytes("function"), saved_bytes("autograd")
-    assert fn > A * H * 8 and fn < ag - A * (H + F) * 8 * 0.9, (fn, ag)  # rows kept; y and an [A, F] not

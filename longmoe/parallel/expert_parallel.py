@@ -223,8 +223,7 @@ class ExpertDispatcher:
     which is the CPU/gloo case). Alone, it runs the experts once over all tokens."""
 
     def __init__(self, num_experts: int, group=None, chunks: int = 1, transport=None,
-                 streams=None, pipeline: bool = False, chunk_by: str = "experts",
-                 local: str = "function"):
+                 streams=None, pipeline: bool = False, chunk_by: str = "experts"):
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
@@ -236,12 +235,6 @@ class ExpertDispatcher:
             raise ValueError(f"chunks={chunks} exceeds the {num_experts // S} local experts per "
                              "rank (chunks by expert)")
         self.chunk_by = chunk_by
-        if local not in ("function", "autograd"):
-            raise ValueError(f"local must be function or autograd, got {local!r}")
-        # EP = 1: one autograd Function with a hand-written backward that keeps half the
-        # activations (longmoe/parallel/local_experts.py), or the plain ops under autograd (the
-        # reference).
-        self.local = local
         if transport is None:
             from longmoe.backends.transports import ProcessGroupA2A
             transport = ProcessGroupA2A()
@@ -261,10 +254,6 @@ class ExpertDispatcher:
         if self.ep_size == 1 and not self.pipeline:  # all experts here: one grouped GEMM pass over every token
             plan = plan_routes(idx_TK, self.num_experts, 1)
             inv = inverse_permutation(plan.order_A)
-            if self.local == "function":
-                from longmoe.parallel.local_experts import LocalExperts
-                y = experts(x_TH, LocalExperts(plan, inv, K), w_TK.reshape(-1)[plan.order_A])
-                return y if fill is None else y + fill()
             x_AH = dispatch_rows(x_TH, plan.order_A, inv, K)
             y_AH = experts(x_AH, plan.expert_rows[0], offs=plan.offs[0])
             y = combine_permuted(y_AH, plan.order_A, w_TK, inv)
