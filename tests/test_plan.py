@@ -394,3 +394,11 @@ def test_keep_last_cli_errors(capsys, value, msg):
                  "--keep-last", value]) == 2
     err = capsys.readouterr().err
     assert "--keep-last" in err and msg in err
+
+
+def test_ep_chunks_never_exceed_the_local_experts():
+    """The trainer chunks by expert range, so a plan for few experts per rank caps its chunks
+    (and the written config loads and validates)."""
+    cfg = get_preset(Q35).replace(num_experts=16, num_layers=4)
+    p = plan(cfg, get_hardware("h200"), 8, Workload(65536), model_name=Q35)
+    assert p.layout.ep == 8 and p.ep_chunks == 2 and "capped" in p.reasons["ep_chunks"]

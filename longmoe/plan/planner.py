@@ -229,6 +229,10 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
         "set by --ep-chunks" if w.ep_chunks else
         f"longmoe.tuning default for {m.local_tokens:,} local tokens (one chunk's all-to-all "
         "hides under another's expert GEMMs)"))
+    local = cfg.num_experts // chosen.layout.ep
+    if chunks > local:  # the trainer chunks by expert range: at most one chunk per local expert
+        chunks = local
+        reasons["ep_chunks"] += f"; capped at the {local} local expert(s) per rank"
     w = replace(w, ep_chunks=chunks)
     fits = keep_last_fits(cfg, chosen.layout, w, budget, a)
     keep = fits if keep_last == "auto" else int(keep_last)
