@@ -74,8 +74,13 @@ def test_gpu_backends_match_math_bf16(impl):
     with sdpa_backends(["math"]):
         ref = _grads(lambda a, b, c: F.scaled_dot_product_attention(
             a, b, c, is_causal=True, enable_gqa=True), *f32, w.float())
-    got = _grads(lambda a, b, c: Attention(impl)(a, b, c, is_causal=True, enable_gqa=True),
-                 q, k, v, w)
+    try:
+        got = _grads(lambda a, b, c: Attention(impl)(a, b, c, is_causal=True, enable_gqa=True),
+                     q, k, v, w)
+    except RuntimeError as e:  # e.g. no cuDNN attention on ROCm: pinned means no fallback
+        if "No available kernel" not in str(e):
+            raise
+        pytest.skip(f"SDPA backend {impl} cannot serve this shape here")
     for a, b in zip(got, ref):
         scale = b.abs().max()
         assert float((a.float() - b).abs().max() / scale) < 2e-2
