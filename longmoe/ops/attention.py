@@ -1,10 +1,9 @@
 """Scaled-dot-product attention through torch's SDPA with a backend preference.
 
-torch picks an SDPA backend by a fixed order (flash first). Which backend is fastest depends on the
-GPU and the head dim, so the order is data: "auto" takes the order the active backend's
-kernels.json lists for its arch under "sdpa" (torch's own choice where none is listed, as for
-sm_90 now: on an H200 with torch 2.11 it already runs cuDNN for the Qwen3.5 attention shape,
-head dim 256 with GQA, 274 ms fwd+bwd at 64K tokens against 455 ms pinned to flash).
+torch picks an SDPA backend by a fixed order. Which backend is fastest depends on the GPU and the
+head dim, so the order is data: "auto" takes the order the active backend's kernels.json lists
+for its arch under "sdpa", and torch's own choice where none is listed (none is: where measured,
+torch's choice was already the fastest; docs/parallelism.md, "Attention backend").
 `impl.attention: <name>` runs that backend only: a call it cannot serve fails with torch's
 "no available kernel" error rather than silently running another. Exclusive on purpose: with a
 fall-through order, a full-recompute run at 64K asked for flash first and its recomputed forward

@@ -35,6 +35,17 @@ class RoutePlan:
     expert_bounds: list[tuple[int, int]] | None = None
 
 
+def check_chunking(chunks: int, by: str, local_experts: int):
+    """A chunk count and kind the layer can run (expert chunks: at most one per local expert)."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if by not in CHUNK_BY:
+        raise ValueError(f"chunk_by must be one of {', '.join(CHUNK_BY)}, got {by!r}")
+    if by == "experts" and chunks > local_experts:
+        raise ValueError(f"chunks={chunks} exceeds the {local_experts} local experts per rank "
+                         "(chunks by expert)")
+
+
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -62,8 +73,7 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     S = dist.get_world_size(group) if group is not None else 1
     me = dist.get_rank(group) if group is not None else 0
     L = num_experts // S
-    if by not in CHUNK_BY:
-        raise ValueError(f"chunk_by must be one of {', '.join(CHUNK_BY)}, got {by!r}")
+    check_chunking(chunks, by, L)
     # Clamped so that a bad index cannot break the counting; it is reported after the host copy.
     idx = idx_TK.clamp(0, num_experts - 1)
     if by == "tokens":
@@ -71,11 +81,6 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
         C, ebounds = len(bounds), None
         chunk_A = _chunk_of_token(T, C, idx_TK.device)[:, None]
     else:
-        if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if chunks > L:
-            raise ValueError(f"chunks={chunks} exceeds the {L} local experts per rank "
-                             "(chunks by expert)")
         ebounds = chunk_bounds(L, chunks)
         C, bounds = chunks, [(0, T)] * chunks
         chunk_A = _chunk_of_token(L, C, idx_TK.device)[idx % L]
@@ -227,13 +232,7 @@ class ExpertDispatcher:
         S = dist.get_world_size(group) if group is not None else 1
         if num_experts % S:
             raise ValueError(f"EP size {S} does not divide num_experts={num_experts}")
-        if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if chunk_by not in CHUNK_BY:
-            raise ValueError(f"chunk_by must be one of {', '.join(CHUNK_BY)}, got {chunk_by!r}")
-        if chunk_by == "experts" and chunks > num_experts // S:
-            raise ValueError(f"chunks={chunks} exceeds the {num_experts // S} local experts per "
-                             "rank (chunks by expert)")
+        check_chunking(chunks, chunk_by, num_experts // S)
         self.chunk_by = chunk_by
         if transport is None:
             from longmoe.backends.transports import ProcessGroupA2A

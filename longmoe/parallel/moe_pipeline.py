@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
-from longmoe.parallel.expert_parallel import (RoutePlan, combine_rows,
+from longmoe.parallel.expert_parallel import (RoutePlan, combine_rows, inverse_permutation,
                                               source_major_to_expert_major)
 
 
@@ -127,16 +127,11 @@ class ChunkPipeline:
         per chunk) and kept for the backward."""
         if self._metas is None:
             p, K = self.plan, self.top_k
-            A = p.order_A.numel()
-            dev = p.order_A.device
             tok_A = p.order_A // K
-            tk_A = torch.empty_like(p.order_A)
-            tk_A[p.order_A] = torch.arange(A, device=dev)
-            self.tk_all = tk_A
+            tk_A = self.tk_all = inverse_permutation(p.order_A)
             rs = self.row_slices()
             perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
-            inv_all = torch.empty_like(perm_all)
-            inv_all[perm_all] = torch.arange(perm_all.numel(), device=dev)
+            inv_all = inverse_permutation(perm_all)
             out = []
             for c, r in enumerate(rs):
                 a0, a1 = self.arange(c)
@@ -162,9 +157,7 @@ class ChunkPipeline:
         st.comm_uses(inp)
         m = p.matrix[c]
         with st.comm():
-            if self.group is None:  # one process, no group: the all-to-all of one rank is a copy
-                out.copy_(inp)
-            elif reverse:
+            if reverse:
                 mt = [list(r) for r in zip(*m)]
                 self.transport(out, inp, p.send[c], p.recv[c], self.group, mt)
             else:
