@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Two H200s (EP=2), session 7, split into device calls of < 10 minutes.
+# PART=1: the multi-GPU tests, then issue D item 8 / I item 6 at 64K per GPU (the path, then the
+#         last stage with recompute [full,full,none,none]).
+# PART=2: the MoE-layer sweep (bench/h200x2_moe_layer.sh, both chunk kinds), then the path at 32K.
+set -uo pipefail
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ "${PART:-1}" = 1 ]; then
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  timeout 120 python3 -m pytest -q -rfEs --tb=short -m needs_multi_gpu tests/ > "$OUT/tests.txt" 2>&1
+  tail -6 "$OUT/tests.txt"
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=150 TAG=_64k timeout 330 bash bench/h200_train_path.sh
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=120 TAG=_64k_rc_full-full-none-none STAGES="+chunked EP" \
+      EXTRA="--set parallel.recompute=[full,full,none,none]" timeout 125 bash bench/h200_train_path.sh
+else
+  SKIP_TESTS=1 OUT=$OUT timeout 330 bash bench/h200x2_moe_layer.sh
+  OUT=$OUT NPROC=2 TOKENS=32768 RUN_TIMEOUT=100 TAG=_32k timeout 230 bash bench/h200_train_path.sh
+fi
