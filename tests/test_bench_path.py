@@ -21,6 +21,18 @@ def test_train_path_runs_every_stage(tmp_path):
     assert "parallel.linear_ce" not in rep["runs"][0]["cmd"]
     assert "impl.linear_ce=naive" in rep["runs"][0]["cmd"]
     assert "parallel.chunks=auto" in rep["runs"][3]["cmd"]
+    # cpu_demo is EP=2: the last stage chunks its all-to-alls and says how many chunks it used
+    assert "note" not in rep["runs"][3] and rep["runs"][3]["ep_chunks"] >= 1
+    assert rep["runs"][3]["a2a_transport"] == "process_group"
+
+
+def test_stage_note_reads_the_overrides():
+    from longmoe.bench.train_path import stage_note
+    assert stage_note("cpu_demo", "+chunked EP", {"parallel.recompute": "full"}) is None
+    one = stage_note("gpu_smoke", "+chunked EP", {"parallel.recompute": "full"})
+    assert one.startswith("EP=1")
+    assert stage_note("gpu_smoke", "+chunked EP", {"parallel.ep": 2}) is None
+    assert stage_note("cpu_demo", "+chunked EP", {"parallel.ep": 1}).startswith("EP=1")
 
 
 def test_unknown_stage_is_named(tmp_path):

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from longmoe.backends import get_backend
 from longmoe.config import get_preset
 from longmoe.errors import UserError
-from longmoe.tuning import FORMULA, default_chunks, resolve_chunks
+from longmoe.tuning import FORMULA, default_chunks, resolve_chunks, resolve_transport
 from longmoe.tuning import cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +76,26 @@ def test_runtime_prefers_a_matching_cache_entry(tmp_path, monkeypatch):
     (tmp_path / cache.FILE_NAME).write_text("garbage")
     with pytest.warns(UserWarning):
         assert resolve_chunks("auto", cpu, 2, 64, 2, "float32", 2048)[1].startswith("formula")
+
+
+def test_auto_transport_follows_the_cache_when_it_can_run_here(tmp_path, monkeypatch):
+    cpu, dev = get_backend("cpu"), torch.device("cpu")
+    args = (cpu, dev, 2, 64, 2, "float32", 2048)
+    assert resolve_transport("process_group", *args) == ("process_group", "config")
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
+    assert resolve_transport("auto", *args) == ("auto", "first available")
+    key = cache.make_key("cpu", cpu.arch, "cpu", 2, 64, 2, "float32", 2048)
+    cache.save(tmp_path, {key: {"chunks": 2, "chunk_by": "experts", "transport": "process_group"}})
+    name, src = resolve_transport("auto", *args)
+    assert name == "process_group" and key in src
+    # measured best, but this machine cannot run it (no symmetric memory on CPU): first available
+    cache.save(tmp_path, {key: {"chunks": 2, "chunk_by": "experts",
+                                "transport": "symmetric_memory"}})
+    assert resolve_transport("auto", *args) == ("auto", "first available")
+    # an entry of the other chunk kind says nothing about the transport either
+    cache.save(tmp_path, {key: {"chunks": 2, "chunk_by": "tokens", "transport": "process_group"}})
+    assert resolve_transport("auto", *args) == ("auto", "first available")
+    assert cpu.a2a("auto", dev).name == "process_group"
 
 
 def test_input_errors_name_the_flag():

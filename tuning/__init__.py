@@ -31,6 +31,23 @@ def cache_key_for(backend, ep: int, hidden: int, top_k: int, dtype: str, local_t
                     dtype, local_tokens)
 
 
+def _tuned_entry(backend, ep: int, hidden: int, top_k: int, dtype: str, local_tokens: int,
+                 chunk_by: str) -> tuple[dict | None, str, str]:
+    """(the cache entry for this layer if it was measured with `chunk_by` chunks, where it came
+    from, a note on an entry skipped for its chunk kind)."""
+    if ep <= 1:
+        return None, "", ""
+    from longmoe.tuning.cache import lookup
+    key = cache_key_for(backend, ep, hidden, top_k, dtype, local_tokens)
+    entry, path = lookup(key)
+    if entry is not None and entry.get("chunk_by", "tokens") == chunk_by:
+        return entry, f"tuning cache {path} [{key}]", ""
+    if entry is not None:
+        return None, "", (f" (the tuning cache's entry for this layer was measured with "
+                          f"{entry.get('chunk_by', 'tokens')} chunks, not {chunk_by})")
+    return None, "", ""
+
+
 def resolve_chunks(setting, backend, ep: int, hidden: int, top_k: int, dtype: str,
                    local_tokens: int, chunk_by: str = "experts") -> tuple[int, str]:
     """(chunks, where the number came from) for a `parallel.chunks` setting (int or "auto").
@@ -38,14 +55,21 @@ def resolve_chunks(setting, backend, ep: int, hidden: int, top_k: int, dtype: st
     `chunk_by` were measured with token chunks, before expert chunks existed)."""
     if setting != "auto":
         return int(setting), "config"
-    note = ""
-    if ep > 1:
-        from longmoe.tuning.cache import lookup
-        key = cache_key_for(backend, ep, hidden, top_k, dtype, local_tokens)
-        entry, path = lookup(key)
-        if entry is not None and entry.get("chunk_by", "tokens") == chunk_by:
-            return min(int(entry["chunks"]), local_tokens), f"tuning cache {path} [{key}]"
-        if entry is not None:
-            note = (f" (the tuning cache's entry for this layer was measured with "
-                    f"{entry.get('chunk_by', 'tokens')} chunks, not {chunk_by})")
+    entry, source, note = _tuned_entry(backend, ep, hidden, top_k, dtype, local_tokens, chunk_by)
+    if entry is not None:
+        return min(int(entry["chunks"]), local_tokens), source
     return min(default_chunks(local_tokens), local_tokens), f"formula {FORMULA}{note}"
+
+
+def resolve_transport(setting: str, backend, device, ep: int, hidden: int, top_k: int,
+                      dtype: str, local_tokens: int, chunk_by: str = "experts") -> tuple[str, str]:
+    """(transport name or "auto", where it came from) for `parallel.a2a_transport`: "auto" takes
+    the transport the tuning cache measured best for this layer when it can run here, else the
+    adapter's first available one."""
+    if setting != "auto":
+        return setting, "config"
+    entry, source, _ = _tuned_entry(backend, ep, hidden, top_k, dtype, local_tokens, chunk_by)
+    name = (entry or {}).get("transport")
+    if name and backend.collective.a2a_unavailable(name, device) is None:
+        return name, source
+    return "auto", "first available"

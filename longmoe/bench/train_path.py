@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -67,12 +68,30 @@ def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, ti
                peak_mem_gib=max(r["peak_mem_bytes"] for r in rows) / 2**30,
                first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
                step_times_s=[r.get("step_time_s") for r in rows], log_tail=_tail(p.stdout, 4))
+    out.update(_setup(p.stdout))
     return out
+
+
+def _setup(stdout: str) -> dict:
+    """What the trainer chose at start-up (chunk count and all-to-all transport) from its log;
+    the console may wrap lines, so match on the text with newlines flattened."""
+    flat = " ".join((stdout or "").split())
+    m = re.search(r"chunked EP: chunks=(\d+) \((.+?)\), all-to-all (\w+) \((.+?)\), overlap", flat)
+    return {"ep_chunks": int(m.group(1)), "ep_chunks_source": m.group(2),
+            "a2a_transport": m.group(3), "a2a_transport_source": m.group(4)} if m else {}
 
 
 def _ep(config: str, overrides: dict) -> int:
     from longmoe.train.config import load_run_config
     return load_run_config(config, [f"{k}={v}" for k, v in overrides.items()]).parallel.ep
+
+
+def stage_note(config: str, stage: str, overrides: dict) -> str | None:
+    """The chunked-EP stage on one EP rank has no all-to-all to chunk: say what it changes."""
+    if stage == "+chunked EP" and _ep(config, overrides) == 1:
+        rc = overrides.get("parallel.recompute", "full")
+        return f"EP=1: no all-to-all, so this stage adds recompute={rc} only"
+    return None
 
 
 def _rows(metrics: Path) -> list[dict]:
@@ -112,9 +131,9 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
                            timeout,
                            str(Path(profile) / tag) if profile else None)
                 row = {"stage": name, "tokens_per_gpu": T, **res}
-                if name == "+chunked EP" and _ep(config, acc) == 1:
-                    rc = extra.get("parallel.recompute", "full")
-                    row["note"] = f"EP=1: no all-to-all, so this stage adds recompute={rc} only"
+                note = stage_note(config, name, {**acc, **extra})
+                if note:
+                    row["note"] = note
                 report["runs"].append(row)
                 if out:  # after every run: a sweep cut short keeps what it measured
                     Path(out).parent.mkdir(parents=True, exist_ok=True)

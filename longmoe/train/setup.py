@@ -20,7 +20,7 @@ from longmoe.backends import active_backend
 from longmoe.model.deltanet import GatedDeltaNet
 from longmoe.model.layers import Attention
 from longmoe.ops.attention import Attention as SDPA
-from longmoe.tuning import resolve_chunks
+from longmoe.tuning import resolve_chunks, resolve_transport
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 from longmoe.parallel.fsdp import apply_fsdp
 from longmoe.parallel.mesh import Layout
@@ -43,8 +43,11 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         for block in model.layers:
             block.attn.cp = cp
     backend = active_backend()
-    transport, streams = backend.a2a(par.a2a_transport, device), backend.streams()
     local_tokens = run.data.batch_size * run.data.seq_len // layout.cp
+    a2a, model.transport_source = resolve_transport(par.a2a_transport, backend, device, layout.ep,
+                                                    cfg.hidden_size, cfg.top_k, par.param_dtype,
+                                                    local_tokens, par.chunk_by)
+    transport, streams = backend.a2a(a2a, device), backend.streams()
     chunks, model.chunks_source = resolve_chunks(par.chunks, backend, layout.ep, cfg.hidden_size,
                                                  cfg.top_k, par.param_dtype, local_tokens,
                                                  par.chunk_by)

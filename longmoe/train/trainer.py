@@ -125,7 +125,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     if moes and layout.ep > 1:
         d = moes[0].dispatcher
         progress.info(f"chunked EP: chunks={d.chunks} ({model.chunks_source}), "
-                      f"all-to-all {d.transport.name}, overlap streams "
+                      f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
     for step in range(start, run.train.steps):
