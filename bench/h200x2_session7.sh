@@ -3,6 +3,7 @@
 # PART=1: the multi-GPU tests, then issue D item 8 / I item 6 at 64K per GPU (the path, then the
 #         last stage with recompute [full,full,none,none]).
 # PART=2: the MoE-layer sweep (bench/h200x2_moe_layer.sh, both chunk kinds), then the path at 32K.
+# PART=3: `longmoe tune chunks` on the expert-chunk pipeline; the last stage with that cache.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -14,6 +15,18 @@ if [ "${PART:-1}" = 1 ]; then
   OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=150 TAG=_64k timeout 330 bash bench/h200_train_path.sh
   OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=120 TAG=_64k_rc_full-full-none-none STAGES="+chunked EP" \
       EXTRA="--set parallel.recompute=[full,full,none,none]" timeout 125 bash bench/h200_train_path.sh
+elif [ "${PART}" = 3 ]; then
+  # The tuner on the current pipeline (expert chunks), then the last path stage with its cache.
+  timeout 200 python3 -m longmoe tune chunks --ep 2 --seq-lens 16384,32768,65536 --chunks 1,2,4,8 \
+      --out "$OUT/tune" 2>&1 | grep -v Warning | tail -6
+  export LONGMOE_TUNING_DIR=$OUT/tune
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=120 TAG=_64k_tuned_rc_full-full-none-none STAGES="+chunked EP" \
+      EXTRA="--set parallel.recompute=[full,full,none,none]" timeout 125 bash bench/h200_train_path.sh
+  OUT=$OUT NPROC=2 TOKENS=32768 RUN_TIMEOUT=100 TAG=_32k_tuned_rc_full-full-none-none STAGES="+chunked EP" \
+      EXTRA="--set parallel.recompute=[full,full,none,none]" timeout 105 bash bench/h200_train_path.sh
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=100 TAG=_64k_tuned_selective STAGES="+chunked EP" \
+      EXTRA="--set parallel.recompute=selective" timeout 105 bash bench/h200_train_path.sh
+  tar -C "$OUT" -czf "$OUT/tune.tar.gz" tune && rm -rf "$OUT/tune"
 else
   SKIP_TESTS=1 OUT=$OUT timeout 330 bash bench/h200x2_moe_layer.sh
   OUT=$OUT NPROC=2 TOKENS=32768 RUN_TIMEOUT=100 TAG=_32k timeout 230 bash bench/h200_train_path.sh
