@@ -150,21 +150,22 @@ def test_cost_model_predictions_are_labelled_and_sane():
 
 def test_shipped_calibration_reproduces_the_h200_sweep():
     # The shipped fit against the 2xH200 sweep it came from: every layer row within the fit's
-    # recorded error, median under 10%, and the chunk count it would pick is the measured best.
+    # recorded error, median under 10%, and the chunk count it would pick measured within 3% of
+    # the best count (neighbouring counts differ by about the run-to-run noise there).
     from longmoe.plan.hardware import get_hardware
     from longmoe.tuning.cost_model import calibration, layer_time
     cal, cfg, hw = calibration(), get_preset("qwen3.5-35b-a3b"), get_hardware("h200")
-    sweep = json.loads((ROOT / "docs/benchmarks/h200x2/moe_layer.json").read_text())
+    sweep = json.loads((ROOT / "docs/benchmarks/h200x2/session7/moe_layer_h200x2.json").read_text())
     rows = [r for r in sweep["rows"] if r["kind"] == "layer" and r["priority"] == -1]
     errs = [abs(layer_time(hw, cfg, 2, r["T"], r["chunks"], r["transport"])["ms"] - r["ms"]) / r["ms"]
             for r in rows]
     assert max(errs) <= cal["_fit"]["max_rel_error"] + 1e-3
     assert sorted(errs)[len(errs) // 2] < 0.10
-    for T in (4096, 16384):
-        measured = min((r for r in rows if r["T"] == T and r["transport"] == "process_group"),
-                       key=lambda r: r["ms"])["chunks"]
-        model = min((1, 2, 4, 8), key=lambda c: layer_time(hw, cfg, 2, T, c, "process_group")["ms"])
-        assert model == measured
+    for T in (4096, 16384, 65536):
+        for tr in ("process_group", "symmetric_memory"):
+            ms = {r["chunks"]: r["ms"] for r in rows if r["T"] == T and r["transport"] == tr}
+            model = min((1, 2, 4, 8), key=lambda c: layer_time(hw, cfg, 2, T, c, tr)["ms"])
+            assert ms[model] <= 1.03 * min(ms.values()), (T, tr, model, ms)
 
 
 def test_calibrate_recovers_known_coefficients():
