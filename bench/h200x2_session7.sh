@@ -4,6 +4,7 @@
 #         last stage with recompute [full,full,none,none]).
 # PART=2: the MoE-layer sweep (bench/h200x2_moe_layer.sh, both chunk kinds), then the path at 32K.
 # PART=3: `longmoe tune chunks` on the expert-chunk pipeline; the last stage with that cache.
+# PART=4: the megatron-core baseline, the all-attention layout on two GPUs, every GPU test.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -27,6 +28,16 @@ elif [ "${PART}" = 3 ]; then
   OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=100 TAG=_64k_tuned_selective STAGES="+chunked EP" \
       EXTRA="--set parallel.recompute=selective" timeout 105 bash bench/h200_train_path.sh
   tar -C "$OUT" -czf "$OUT/tune.tar.gz" tune && rm -rf "$OUT/tune"
+elif [ "${PART}" = 4 ]; then
+  # megatron-core's all-to-all dispatcher as the paired baseline (carry its cp312 wheel), the
+  # all-attention layout's last path stage, then every GPU test.
+  timeout 150 python3 -m longmoe bench moe-layer --nproc 2 --tokens 4096,16384,65536 --chunks 1,2,8 \
+      --transports process_group,symmetric_memory --baseline megatron \
+      --out "$OUT/moe_layer_h200x2_megatron.json" 2>&1 | grep -v Warn | tail -9
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=110 TAG=_64k_full_attention TYPES=full STAGES="+chunked EP" \
+      timeout 115 bash bench/h200_train_path.sh
+  timeout 230 python3 -m pytest -q -rfEs --tb=short -m "needs_cuda or needs_multi_gpu" tests/ \
+      > "$OUT/gpu_tests.txt" 2>&1; tail -8 "$OUT/gpu_tests.txt"
 else
   SKIP_TESTS=1 OUT=$OUT timeout 330 bash bench/h200x2_moe_layer.sh
   OUT=$OUT NPROC=2 TOKENS=32768 RUN_TIMEOUT=100 TAG=_32k timeout 230 bash bench/h200_train_path.sh

@@ -109,10 +109,21 @@ def _cmd_bench_moe(a) -> int:
     from longmoe.parallel.expert_parallel import CHUNK_BY
     if a.chunk_by not in CHUNK_BY:
         raise UserError(f"--chunk-by: must be one of {', '.join(CHUNK_BY)}, got {a.chunk_by!r}")
+    if a.baseline not in (None, "megatron"):
+        raise UserError(f"--baseline: only 'megatron' is known, got {a.baseline!r}")
+    if a.baseline and backend.device_type == "cpu":
+        raise UserError("--baseline: megatron's dispatcher runs on GPUs only (CUDA streams)")
+    if a.baseline and a.nproc < 2:
+        raise UserError(f"--baseline: megatron's dispatcher needs EP > 1 (--nproc {a.nproc})")
+    if a.baseline:
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError as e:
+            raise UserError(f"--baseline: megatron-core is not importable ({e})") from None
     report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
                        trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
-                       chunk_by=a.chunk_by)
+                       chunk_by=a.chunk_by, baseline=a.baseline)
     write_report(report, a.out)
     return 0
 
@@ -215,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--nproc", type=int, default=2, help="EP ranks (one per device)")
     bm.add_argument("--chunk-by", default="experts",
                     help="experts (ranges of each rank's experts, the default) or tokens")
+    bm.add_argument("--baseline", help="megatron: also time the layer with megatron-core's "
+                                       "all-to-all token dispatcher (GPU; EP > 1)")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")

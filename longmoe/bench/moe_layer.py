@@ -10,6 +10,10 @@ forward/dgrad/wgrad calls on the rows one rank receives). Then
 
     hidden fraction = (T_nochunk - T_chunk) / min(T_comm, T_gemm)
 
+With `baseline="megatron"` (EP > 1), the same layer with megatron-core's all-to-all token
+dispatcher in place of the pipeline (`megatron_moe.py`), on the first transport's process group:
+the seeds' baseline, timed the same way.
+
 Legend: T local tokens per rank, K top-k, H hidden, C chunks.
 """
 
@@ -140,6 +144,14 @@ def _rank(rank, world, backend, spec):
                                f"{transport}_T{T}_C{C}_rank{rank}.json")
                 if prio != spec["priorities"][0]:
                     continue
+                if spec.get("baseline") == "megatron" and world > 1 and \
+                        transport == spec["transports"][0]:
+                    from longmoe.bench.megatron_moe import MegatronDispatch
+                    moe.dispatcher = MegatronDispatch(E, group, moe.experts, K, H,
+                                                      cfg.moe_ffn_size, dtype)
+                    ms, peak = _timed(backend, step, spec["iters"])
+                    rows_out.append({**base, "transport": "megatron", "kind": "megatron",
+                                     "ms": ms, "peak_bytes": peak})
                 with torch.no_grad():
                     idx, _, _ = moe.router(x.detach().view(T, H))
                 plan = plan_routes(idx, E, 1, group)
@@ -194,6 +206,7 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
         pick = lambda kind: next((r for r in rows if r["kind"] == kind and  # noqa: E731
                                   (r["transport"], r["T"]) == (tr, T)), None)
         comm, gemm, direct = pick("comm"), pick("gemm"), pick("direct")
+        mega = next((r for r in rows if r["kind"] == "megatron" and r["T"] == T), None)
         best_c = min(layer, key=lambda c: layer[c]["ms"])
         dflt = default_chunks(T)
         base = layer[1]["ms"]
@@ -205,6 +218,9 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
              "default_chunks": dflt}
         if direct:
             s["direct_ms"] = direct["ms"]
+        if mega:
+            s.update(megatron_ms=mega["ms"], megatron_peak_gib=mega["peak_bytes"] / 2**30,
+                     speedup_vs_megatron=mega["ms"] / layer[best_c]["ms"] - 1)
         if dflt in layer:
             s.update(default_ms=layer[dflt]["ms"], speedup_default=base / layer[dflt]["ms"] - 1)
         if comm and gemm:
@@ -217,7 +233,7 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
-              smoke=False, chunk_by="experts") -> dict:
+              smoke=False, chunk_by="experts", baseline: str | None = None) -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -228,7 +244,7 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
     spec = {"model": dataclasses.asdict(cfg), "dtype": dtype, "tokens": tokens, "chunks": chunks,
             "transports": transports, "priorities": priorities, "iters": iters,
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
-            "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by}
+            "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
@@ -268,8 +284,9 @@ def _keep_critical_traces(d: Path, rows, T, nproc) -> list[str]:
 
 def markdown_table(report: dict) -> str:
     lines = ["| transport | prio | T/rank | no-chunk ms | best C | best ms | speedup | default C |"
-             " default speedup | comm ms | GEMM ms | hidden | peak GiB (1 -> best) |",
-             "|" + "---|" * 13]
+             " default speedup | comm ms | GEMM ms | hidden | peak GiB (1 -> best) |"
+             " megatron ms | best vs megatron |",
+             "|" + "---|" * 15]
     for s in report["summary"]:
         lines.append(
             f"| {s['transport']} | {s['priority']} | {s['T']} | {s['nochunk_ms']:.2f} | "
@@ -277,7 +294,9 @@ def markdown_table(report: dict) -> str:
             f"{s['default_chunks']} | {s.get('speedup_default', float('nan')):+.1%} | "
             f"{s.get('comm_ms', float('nan')):.2f} | {s.get('gemm_ms', float('nan')):.2f} | "
             f"{s.get('hidden_fraction', float('nan')):.0%} | "
-            f"{s['nochunk_peak_gib']:.2f} -> {s['best_peak_gib']:.2f} |")
+            f"{s['nochunk_peak_gib']:.2f} -> {s['best_peak_gib']:.2f} | "
+            f"{s.get('megatron_ms', float('nan')):.2f} | "
+            f"{s.get('speedup_vs_megatron', float('nan')):+.1%} |")
     return "\n".join(lines)
 
 
