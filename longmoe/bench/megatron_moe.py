@@ -32,18 +32,20 @@ def megatron_config(num_experts: int, top_k: int, hidden: int, ffn: int, ep: int
         bf16=dtype == torch.bfloat16, gated_linear_unit=True, activation_func=F.silu)
 
 
+_GROUPS: dict = {}
+
+
 def process_groups(ep_group):
-    """megatron's ProcessGroupCollection for EP over `ep_group`, expert TP of 1.
-    Every rank creates every one-rank group (new_group is collective)."""
+    """megatron's ProcessGroupCollection for EP over `ep_group` with expert TP of 1, built once
+    per EP group (every rank creates every one-rank group: new_group is collective)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-    world = dist.get_world_size(ep_group)
-    ranks = dist.get_process_group_ranks(ep_group)
-    me = dist.get_rank()
-    singles = {r: dist.new_group([r]) for r in ranks}
-    pgs = ProcessGroupCollection()
-    pgs.ep, pgs.tp_ep, pgs.expt_tp = ep_group, ep_group, singles[me]
-    assert world == len(ranks)
-    return pgs
+    ranks = tuple(dist.get_process_group_ranks(ep_group))
+    if ranks not in _GROUPS:
+        singles = {r: dist.new_group([r]) for r in ranks}
+        pgs = ProcessGroupCollection()
+        pgs.ep, pgs.tp_ep, pgs.expt_tp = ep_group, ep_group, singles[dist.get_rank()]
+        _GROUPS[ranks] = pgs
+    return _GROUPS[ranks]
 
 
 class MegatronDispatch:
