@@ -98,6 +98,24 @@ POINTS = [
           note="+21%: the estimate holds both kept layers (a Gated DeltaNet layer's 333 KiB/token "
                "core set among them) at the start of backward; the run peaked 0.9 GiB above full "
                "recompute. An overestimate: --keep-last auto stops early, never OOM on it"),
+    Point("hybrid (compiled core), 2 x H200, 32K",
+          "our 2xH200 run, session 7 (h200x2/session7/train_path_h200x2_32k.json): 50.2 GiB",
+          50.2 * GiB, Layout(2, 1, 1, 2, 1), Workload(32768, ep_chunks=4), num_layers=4,
+          assumptions=Assumptions(linear_core="compiled"),
+          note="EP=2 x FSDP2 over both GPUs, full recompute, 4 expert chunks (the formula)"),
+    Point("hybrid (compiled core), 2 x H200, 64K",
+          "our 2xH200 run, session 7 (h200x2/session7/train_path_h200x2_64k.json): 67.2 GiB",
+          67.2 * GiB, Layout(2, 1, 1, 2, 1), Workload(65536, ep_chunks=8), num_layers=4,
+          assumptions=Assumptions(linear_core="compiled"),
+          note="as the 32K point, 8 expert chunks"),
+    Point("hybrid (compiled core), 2 x H200, 64K, last two kept",
+          "our 2xH200 run, session 7 (train_path_h200x2_64k_tuned_rc_full-full-none-none.json): "
+          "74.2 GiB", 74.2 * GiB, Layout(2, 1, 1, 2, 1),
+          Workload(65536, ep_chunks=2, keep_last=2), num_layers=4,
+          assumptions=Assumptions(linear_core="compiled"), within_10=False,
+          note="+23%, as on one GPU: the estimate holds both kept layers at the start of "
+               "backward; the run peaked 7.0 GiB above full recompute with 8 chunks. An "
+               "overestimate, so --keep-last auto errs on the safe side"),
 ]
 
 
