@@ -10,7 +10,7 @@ forward/dgrad/wgrad calls on the rows one rank receives). Then
 
     hidden fraction = (T_nochunk - T_chunk) / min(T_comm, T_gemm)
 
-With `baseline="megatron"` (EP > 1), the same layer with megatron-core's all-to-all token
+With `baseline="megatron"`, the same layer with megatron-core's all-to-all token
 dispatcher in place of the pipeline (`megatron_moe.py`), on the first transport's process group:
 the seeds' baseline, timed the same way.
 
@@ -144,8 +144,7 @@ def _rank(rank, world, backend, spec):
                                f"{transport}_T{T}_C{C}_rank{rank}.json")
                 if prio != spec["priorities"][0]:
                     continue
-                if spec.get("baseline") == "megatron" and world > 1 and \
-                        transport == spec["transports"][0]:
+                if spec.get("baseline") == "megatron" and transport == spec["transports"][0]:
                     from longmoe.bench.megatron_moe import MegatronDispatch
                     moe.dispatcher = MegatronDispatch(E, group, moe.experts, K, H,
                                                       cfg.moe_ffn_size, dtype)
@@ -207,6 +206,8 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
                                   (r["transport"], r["T"]) == (tr, T)), None)
         comm, gemm, direct = pick("comm"), pick("gemm"), pick("direct")
         mega = next((r for r in rows if r["kind"] == "megatron" and r["T"] == T), None)
+        if mega and direct:  # one rank: the unpipelined layer is what EP=1 training runs
+            s["direct_vs_megatron"] = mega["ms"] / direct["ms"] - 1
         best_c = min(layer, key=lambda c: layer[c]["ms"])
         dflt = default_chunks(T)
         base = layer[1]["ms"]
