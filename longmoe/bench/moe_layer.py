@@ -206,8 +206,6 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
                                   (r["transport"], r["T"]) == (tr, T)), None)
         comm, gemm, direct = pick("comm"), pick("gemm"), pick("direct")
         mega = next((r for r in rows if r["kind"] == "megatron" and r["T"] == T), None)
-        if mega and direct:  # one rank: the unpipelined layer is what EP=1 training runs
-            s["direct_vs_megatron"] = mega["ms"] / direct["ms"] - 1
         best_c = min(layer, key=lambda c: layer[c]["ms"])
         dflt = default_chunks(T)
         base = layer[1]["ms"]
@@ -222,6 +220,8 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
         if mega:
             s.update(megatron_ms=mega["ms"], megatron_peak_gib=mega["peak_bytes"] / 2**30,
                      speedup_vs_megatron=mega["ms"] / layer[best_c]["ms"] - 1)
+            if direct:  # one rank: the unpipelined layer is what EP=1 training runs
+                s["direct_vs_megatron"] = mega["ms"] / direct["ms"] - 1
         if dflt in layer:
             s.update(default_ms=layer[dflt]["ms"], speedup_default=base / layer[dflt]["ms"] - 1)
         if comm and gemm:
