@@ -28,6 +28,14 @@ elif [ "${PART}" = 3 ]; then
   OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=100 TAG=_64k_tuned_selective STAGES="+chunked EP" \
       EXTRA="--set parallel.recompute=selective" timeout 105 bash bench/h200_train_path.sh
   tar -C "$OUT" -czf "$OUT/tune.tar.gz" tune && rm -rf "$OUT/tune"
+elif [ "${PART}" = 5 ]; then
+  # The short form of part 4 for a nearly spent device budget: the EP=2 megatron baseline and
+  # the all-attention layout's last stage.
+  timeout 120 python3 -m longmoe bench moe-layer --nproc 2 --tokens 16384,65536 --chunks 1,2 \
+      --transports process_group,symmetric_memory --baseline megatron \
+      --out "$OUT/moe_layer_h200x2_megatron.json" 2>&1 | grep "^|"
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=110 TAG=_64k_full_attention TYPES=full STAGES="+chunked EP" \
+      timeout 115 bash bench/h200_train_path.sh
 elif [ "${PART}" = 4 ]; then
   # megatron-core's all-to-all dispatcher as the paired baseline (carry its cp312 wheel), the
   # all-attention layout's last path stage, then every GPU test.
