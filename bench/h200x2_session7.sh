@@ -5,6 +5,7 @@
 # PART=2: the MoE-layer sweep (bench/h200x2_moe_layer.sh, both chunk kinds), then the path at 32K.
 # PART=3: `longmoe tune chunks` on the expert-chunk pipeline; the last stage with that cache.
 # PART=4: the megatron-core baseline, the all-attention layout on two GPUs, every GPU test.
+# PART=5: 2-GPU equivalence tests, the EP=2 megatron baseline, 128K with CP 2 x EP 2.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -29,13 +30,16 @@ elif [ "${PART}" = 3 ]; then
       EXTRA="--set parallel.recompute=selective" timeout 105 bash bench/h200_train_path.sh
   tar -C "$OUT" -czf "$OUT/tune.tar.gz" tune && rm -rf "$OUT/tune"
 elif [ "${PART}" = 5 ]; then
-  # The short form of part 4 for a nearly spent device budget: the EP=2 megatron baseline and
-  # the all-attention layout's last stage.
-  timeout 120 python3 -m longmoe bench moe-layer --nproc 2 --tokens 16384,65536 --chunks 1,2 \
+  # The short form for a nearly spent device budget: the 2-GPU equivalence tests (CP 2 x EP 2 on
+  # the hybrid layout among them), the EP=2 megatron baseline, then one 128K sequence over both
+  # GPUs with CP 2 x EP 2 (64K tokens per GPU; the table's "tokens/GPU" column shows 131072).
+  timeout 150 python3 -m pytest -q -rfEs --tb=short -m needs_multi_gpu tests/test_equivalence.py \
+      > "$OUT/tests_multi.txt" 2>&1; tail -4 "$OUT/tests_multi.txt"
+  timeout 100 python3 -m longmoe bench moe-layer --nproc 2 --tokens 16384,65536 --chunks 1,2 \
       --transports process_group,symmetric_memory --baseline megatron \
       --out "$OUT/moe_layer_h200x2_megatron.json" 2>&1 | grep "^|"
-  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=110 TAG=_64k_full_attention TYPES=full STAGES="+chunked EP" \
-      timeout 115 bash bench/h200_train_path.sh
+  OUT=$OUT NPROC=2 TOKENS=131072 RUN_TIMEOUT=150 TAG=_128k_cp2 STAGES="+chunked EP" \
+      EXTRA="--set parallel.cp=2" timeout 155 bash bench/h200_train_path.sh
 elif [ "${PART}" = 4 ]; then
   # megatron-core's all-to-all dispatcher as the paired baseline (carry its cp312 wheel), the
   # all-attention layout's last path stage, then every GPU test.

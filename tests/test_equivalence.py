@@ -42,6 +42,20 @@ def test_world2_step_matches_world1_on_gpus():
     assert res.ok, (seed, res.failures())
 
 
+@pytest.mark.needs_multi_gpu
+@pytest.mark.parametrize("gated_delta", ["auto", "chunked"])
+def test_hybrid_cp2_ep2_step_matches_world1_on_gpus(gated_delta):
+    # CP 2 x EP 2 on the hybrid layout over NCCL/RCCL, one rank per GPU, fp32: the zigzag split,
+    # Gated DeltaNet halos and state summaries, the EP group spanning the CP ranks; "auto" is the
+    # GPU core (compiled pieces, Triton state scan), "chunked" the eager one.
+    from longmoe.backends import active_backend
+    seed = random.randrange(2**31)
+    res = step_case(2, seed, device=active_backend().name, cp=2, ep=2, chunks=2,
+                    recompute="full", fsdp=True, linear_ce="chunked", preset="tiny-hybrid",
+                    num_layers=4, batch_size=2, gated_delta=gated_delta)
+    assert res.ok, (seed, res.failures())
+
+
 @pytest.mark.parametrize("nproc,kw", [
     (2, dict(cp=2, ep=1, chunks=1, recompute="none")),              # CP2
     (2, dict(cp=2, ep=2, chunks=2, recompute="full")),              # CP2 x EP2 (EP spans CP ranks)
