@@ -32,7 +32,7 @@ elif [ "${PART}" = 3 ]; then
 elif [ "${PART}" = 5 ]; then
   # The short form for a nearly spent device budget: the 2-GPU equivalence tests (CP 2 x EP 2 on
   # the hybrid layout among them), the EP=2 megatron baseline, then one 128K sequence over both
-  # GPUs with CP 2 x EP 2 (64K tokens per GPU; the table's "tokens/GPU" column shows 131072).
+  # GPUs with CP 2 x EP 2 (64K tokens per GPU).
   timeout 150 python3 -m pytest -q -rfEs --tb=short -m needs_multi_gpu tests/test_equivalence.py \
       > "$OUT/tests_multi.txt" 2>&1; tail -4 "$OUT/tests_multi.txt"
   timeout 100 python3 -m longmoe bench moe-layer --nproc 2 --tokens 16384,65536 --chunks 1,2 \

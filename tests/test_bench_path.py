@@ -24,6 +24,7 @@ def test_train_path_runs_every_stage(tmp_path):
     # cpu_demo is EP=2: the last stage chunks its all-to-alls and says how many chunks it used
     assert "note" not in rep["runs"][3] and rep["runs"][3]["ep_chunks"] >= 1
     assert rep["runs"][3]["a2a_transport"] == "process_group"
+    assert all(r["seq_len"] == 96 and r["tokens_per_gpu"] == 96 for r in rep["runs"])
 
 
 def test_stage_note_reads_the_overrides():
@@ -40,3 +41,16 @@ def test_unknown_stage_is_named(tmp_path):
                         "cpu_demo", "--stages", "turbo"], capture_output=True, text=True,
                        timeout=120, cwd=tmp_path)
     assert p.returncode != 0 and "--stages: unknown stage 'turbo'" in p.stderr
+
+
+def test_context_parallel_rows_count_tokens_per_gpu(tmp_path):
+    # CP 2 splits each sequence over two ranks: the row says both the length and the share
+    out = tmp_path / "cp.json"
+    p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "train-path", "--config",
+                        "cpu_demo", "--nproc", "2", "--tokens", "128", "--steps", "1",
+                        "--stages", "+chunked EP", "--set", "parallel.cp=2",
+                        "--set", "data.prompt_len=16", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["status"] == "ok" and row["seq_len"] == 128 and row["tokens_per_gpu"] == 64

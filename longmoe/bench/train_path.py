@@ -81,9 +81,13 @@ def _setup(stdout: str) -> dict:
             "a2a_transport": m.group(3), "a2a_transport_source": m.group(4)} if m else {}
 
 
-def _ep(config: str, overrides: dict) -> int:
+def _parallel(config: str, overrides: dict):
     from longmoe.train.config import load_run_config
-    return load_run_config(config, [f"{k}={v}" for k, v in overrides.items()]).parallel.ep
+    return load_run_config(config, [f"{k}={v}" for k, v in overrides.items()]).parallel
+
+
+def _ep(config: str, overrides: dict) -> int:
+    return _parallel(config, overrides).ep
 
 
 def stage_note(config: str, stage: str, overrides: dict) -> str | None:
@@ -130,7 +134,9 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
                 res = _run(config, nproc, {**acc, **extra}, steps, Path(tmp) / f"{tag}.jsonl",
                            timeout,
                            str(Path(profile) / tag) if profile else None)
-                row = {"stage": name, "tokens_per_gpu": T, **res}
+                # one sequence of T tokens; context parallelism splits it over its ranks
+                row = {"stage": name, "seq_len": T,
+                       "tokens_per_gpu": T // _parallel(config, {**acc, **extra}).cp, **res}
                 note = stage_note(config, name, {**acc, **extra})
                 if note:
                     row["note"] = note
