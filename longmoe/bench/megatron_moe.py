@@ -7,9 +7,10 @@ path from routed tokens to expert rows and back is megatron's:
     -> grouped GEMMs (probabilities applied before the down projection, as megatron's experts do)
     -> unsort -> all-to-all-v -> unpermute
 
-megatron-core is imported here only (it is optional). The dispatcher needs CUDA streams and
-allocates on the current CUDA device, so this runs on GPUs; the paired CPU test substitutes
-those two CUDA calls (tests/test_megatron_baseline.py).
+megatron-core is imported here only (it is optional). The dispatcher keeps a torch.cuda side
+stream for its device-to-host copies and allocates on the current torch.cuda device, so this runs
+on GPUs; the paired CPU test stands in for the stream, the device and the host copy
+(tests/test_megatron_baseline.py).
 """
 
 from __future__ import annotations
