@@ -235,6 +235,7 @@ class _PipelinedExperts(torch.autograd.Function):
             a0, a1 = pipe.arange(c)
             comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
+            yg = None  # its gathered copy is what the comm stream sends
             if c + 2 < C:
                 dispatch(c + 2)
             if c and not by_e:
@@ -308,6 +309,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
             c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
             gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
+            gxg = ga = gw_e = None  # sent as gathered copies; free before the next chunk or wgrad
             if c + 2 < C:
                 dispatch(c + 2)
             if c and not pipe.by_experts:
