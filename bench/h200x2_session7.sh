@@ -30,16 +30,18 @@ elif [ "${PART}" = 3 ]; then
       EXTRA="--set parallel.recompute=selective" timeout 105 bash bench/h200_train_path.sh
   tar -C "$OUT" -czf "$OUT/tune.tar.gz" tune && rm -rf "$OUT/tune"
 elif [ "${PART}" = 5 ]; then
-  # The short form for a nearly spent device budget: the 2-GPU equivalence tests (CP 2 x EP 2 on
-  # the hybrid layout among them), the EP=2 megatron baseline, then one 128K sequence over both
-  # GPUs with CP 2 x EP 2 (64K tokens per GPU).
+  # The short form for a nearly spent device budget, most needed first: the 2-GPU equivalence
+  # tests (CP 2 x EP 2 on the hybrid layout among them), one 128K sequence over both GPUs with
+  # CP 2 x EP 2 (64K tokens per GPU), the EP=2 megatron baseline, the all-attention layout.
   timeout 150 python3 -m pytest -q -rfEs --tb=short -m needs_multi_gpu tests/test_equivalence.py \
       > "$OUT/tests_multi.txt" 2>&1; tail -4 "$OUT/tests_multi.txt"
+  OUT=$OUT NPROC=2 TOKENS=131072 RUN_TIMEOUT=150 TAG=_128k_cp2 STAGES="+chunked EP" \
+      EXTRA="--set parallel.cp=2" timeout 155 bash bench/h200_train_path.sh
   timeout 100 python3 -m longmoe bench moe-layer --nproc 2 --tokens 16384,65536 --chunks 1,2 \
       --transports process_group,symmetric_memory --baseline megatron \
       --out "$OUT/moe_layer_h200x2_megatron.json" 2>&1 | grep "^|"
-  OUT=$OUT NPROC=2 TOKENS=131072 RUN_TIMEOUT=150 TAG=_128k_cp2 STAGES="+chunked EP" \
-      EXTRA="--set parallel.cp=2" timeout 155 bash bench/h200_train_path.sh
+  OUT=$OUT NPROC=2 TOKENS=65536 RUN_TIMEOUT=110 TAG=_64k_full_attention TYPES=full STAGES="+chunked EP" \
+      timeout 115 bash bench/h200_train_path.sh
 elif [ "${PART}" = 4 ]; then
   # megatron-core's all-to-all dispatcher as the paired baseline (carry its cp312 wheel), the
   # all-attention layout's last path stage, then every GPU test.
