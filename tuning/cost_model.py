@@ -17,10 +17,9 @@ disappears inside the layer. f_gemm, the link fraction, the non-GEMM and per-chu
 `hide` are fitted to a measured 2xH200 sweep by `longmoe tune calibrate` (calibrate.py);
 r_half, latency and the xGMI per-peer links are stated assumptions (calibration.json). Moving
 the fit to other hardware assumes the same software costs scaled by its peak, links and HBM;
-the output is labelled a prediction. The shipped fit (calibration.json) is of token chunks from
-the pipeline before 2026-12-01; the default chunks are now expert ranges (rows per expert do not
-shrink with C, and each extra chunk cost ~0.2 ms instead of ~1.2 ms at 64K on one H200 rank), so
-predictions overstate the per-chunk cost until a new 2-GPU sweep is fitted.
+the output is labelled a prediction. The shipped fit (calibration.json) is of the session-7
+2xH200 sweep with expert-range chunks (the default); it over-predicts the 64K gain measured on
+that pair by 5-8 points, so treat predictions for other hardware as upper bounds.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longmoe.ops.grouped_mm import grouped_mm
+from longmoe.parallel.moe_pipeline import swiglu
 
 
 def megatron_config(num_experts: int, top_k: int, hidden: int, ffn: int, ep: int, dtype):
@@ -74,8 +75,7 @@ class MegatronDispatch:
         rows, per_expert, p = d.dispatch_postprocess(rows, p)
         counts = [int(n) for n in per_expert.tolist()]
         h = grouped_mm(rows, experts.w_in, counts, impl=experts.impl)
-        gate, up = h.chunk(2, dim=-1)
-        a = (F.silu(gate) * up * p.unsqueeze(-1).to(h.dtype))
+        a = swiglu(h) * p.unsqueeze(-1).to(h.dtype)
         out = grouped_mm(a, experts.w_out, counts, impl=experts.impl)
         out = d.combine_preprocess(out)
         out = d.token_combine(out)

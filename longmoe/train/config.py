@@ -52,7 +52,8 @@ class ParallelConfig:
                                       not isinstance(self.chunks, int) or self.chunks < 1):
             raise ConfigError("parallel.chunks", f"must be an integer >= 1 or auto, "
                                                  f"got {self.chunks!r}")
-        if self.chunk_by not in ("tokens", "experts"):
+        from longmoe.parallel.expert_parallel import CHUNK_BY
+        if self.chunk_by not in CHUNK_BY:
             raise ConfigError("parallel.chunk_by", f"must be tokens or experts, got {self.chunk_by!r}")
         from longmoe.backends.collective import TRANSPORT_NAMES
         if self.a2a_transport not in ("auto",) + TRANSPORT_NAMES:
