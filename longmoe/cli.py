@@ -86,6 +86,20 @@ def _cmd_bench(a) -> int:
     return 0
 
 
+def _cmd_bench_rows(a) -> int:
+    from longmoe.backends import active_backend
+    from longmoe.bench import write_json_and_table
+    from longmoe.bench.moe_rows import markdown_table, parse_configs, run_bench
+    try:
+        configs = parse_configs(a.configs)
+    except ValueError as e:
+        raise UserError(f"--configs: {e}") from None
+    report = run_bench(_ints(a.tokens, "--tokens"), a.top_k, a.hidden, a.ffn, a.dtype, configs,
+                       a.iters, a.device or active_backend().name)
+    write_json_and_table(report, a.out, markdown_table)
+    return 0
+
+
 def _cmd_bench_moe(a) -> int:
     from longmoe.backends import active_backend, get_backend
     from longmoe.bench.moe_layer import run_bench, write_report
@@ -118,10 +132,14 @@ def _cmd_bench_moe(a) -> int:
             import megatron.core  # noqa: F401
         except ImportError as e:
             raise UserError(f"--baseline: megatron-core is not importable ({e})") from None
+    from longmoe.ops.moe_rows import MOE_ROWS
+    if a.rows_impl not in ("auto", *MOE_ROWS.names()):
+        raise UserError(f"--rows-impl: must be auto, {', '.join(MOE_ROWS.names())}; "
+                        f"got {a.rows_impl!r}")
     report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
                        trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
-                       chunk_by=a.chunk_by, baseline=a.baseline)
+                       chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl)
     write_report(report, a.out)
     return 0
 
@@ -226,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="experts (ranges of each rank's experts, the default) or tokens")
     bm.add_argument("--baseline", help="megatron: also time the layer with megatron-core's "
                                        "all-to-all token dispatcher (GPUs)")
+    bm.add_argument("--rows-impl", default="auto",
+                    help="the layer's row kernels (combine, SwiGLU): auto, triton or torch")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")
@@ -234,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--out", help="write the JSON report here")
     bm.add_argument("--smoke", action="store_true", help="tiny layer on CPU ranks: check it runs")
     bm.set_defaults(fn=_cmd_bench_moe)
+
+    br = bsub.add_parser("moe-rows", help="the MoE layer's row ops: eager vs Triton kernels and "
+                                          "tile configs")
+    br.add_argument("--tokens", default="16384,65536")
+    br.add_argument("--top-k", type=int, default=8)
+    br.add_argument("--hidden", type=int, default=2048)
+    br.add_argument("--ffn", type=int, default=512)
+    br.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    br.add_argument("--configs", help="JSON list of Triton tile overrides (default: shipped)")
+    br.add_argument("--iters", type=int, default=10)
+    br.add_argument("--device", help="backend name (default: auto)")
+    br.add_argument("--out", help="write the JSON report here")
+    br.set_defaults(fn=_cmd_bench_rows)
 
     bd = bsub.add_parser("gated-delta", help="Gated DeltaNet core fwd/fwd+bwd per impl and matmul "
                                              "precision, beside causal SDPA at the same length")

@@ -10,7 +10,7 @@ import torch
 from longmoe.backends.transports import push_plan
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
 from longmoe.parallel.expert_parallel import check_expert_index, plan_routes
-from longmoe.parallel.moe_pipeline import swiglu, swiglu_backward
+from longmoe.ops.moe_rows import swiglu, swiglu_backward
 
 
 def _sizes(g, groups, rows):
@@ -43,9 +43,11 @@ def test_swiglu_backward_matches_autograd(dtype, tol):
     ga = torch.randn(29, 11).to(dtype)
     a_ref = swiglu(h)
     a_ref.backward(ga)
-    gh, a = swiglu_backward(h.detach(), ga)
+    gh, a, dot = swiglu_backward(h.detach(), ga, with_dot=True, impl="torch")
     torch.testing.assert_close(a, a_ref.detach(), rtol=tol, atol=tol)
     torch.testing.assert_close(gh, h.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(dot, (ga.double() * a_ref.detach().double()).sum(-1).float(),
+                               rtol=tol, atol=tol * 11)
 
 
 def _simulate_push(matrix, rows_by_rank):

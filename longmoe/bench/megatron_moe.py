@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from longmoe.ops.grouped_mm import grouped_mm
-from longmoe.parallel.moe_pipeline import swiglu
+from longmoe.ops.moe_rows import swiglu
 
 
 def megatron_config(num_experts: int, top_k: int, hidden: int, ffn: int, ep: int, dtype):

@@ -76,9 +76,9 @@ def _comm_alone(pipe, x_TH, H):
     return run
 
 
-def _gemm_alone(moe, rows, H, device, dtype, impl="auto"):
+def _gemm_alone(moe, rows, H, device, dtype, impl="auto", rows_impl="auto"):
     from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
-    from longmoe.parallel.moe_pipeline import swiglu, swiglu_backward
+    from longmoe.ops.moe_rows import swiglu_backward, swiglu_forward
     M = sum(rows)
     xg = torch.randn(M, H, device=device, dtype=dtype)
     gy = torch.randn(M, H, device=device, dtype=dtype)
@@ -86,9 +86,9 @@ def _gemm_alone(moe, rows, H, device, dtype, impl="auto"):
 
     def run():
         h = grouped_mm(xg, w_in, rows, impl=impl)
-        grouped_mm(swiglu(h), w_out, rows, impl=impl)
+        grouped_mm(swiglu_forward(h, rows_impl), w_out, rows, impl=impl)
         ga = grouped_mm(gy, w_out.transpose(1, 2), rows, impl=impl)
-        gh, a = swiglu_backward(h, ga)
+        gh, a, _ = swiglu_backward(h, ga, impl=rows_impl)
         grouped_mm(gh, w_in.transpose(1, 2), rows, impl=impl)
         grouped_mm_wgrad(a, gy, rows, w_out, impl)
         grouped_mm_wgrad(xg, gh, rows, w_in, impl)
@@ -102,6 +102,7 @@ def _rank(rank, world, backend, spec):
     dtype = getattr(torch, spec["dtype"])
     device = backend.device(rank)
     moe = _layer(cfg, rank, world, backend, dtype)
+    moe.experts.rows_impl = spec["rows_impl"]
     H, E, K = cfg.hidden_size, cfg.num_experts, cfg.top_k
     group = dist.group.WORLD
     rows_out = []
@@ -125,6 +126,7 @@ def _rank(rank, world, backend, spec):
                     # One rank: the layer without the pipeline (what EP=1 training runs), beside
                     # the pipeline at each chunk count, whose all-to-alls are local copies here.
                     moe.dispatcher = ExpertDispatcher(E, None, 1)
+                    moe.dispatcher.rows_impl = spec["rows_impl"]
                     ms, peak = _timed(backend, step, spec["iters"])
                     rows_out.append({**base, "kind": "direct", "ms": ms, "peak_bytes": peak})
                     if spec.get("trace_tokens") == T:  # C0 in the name: the unpipelined layer
@@ -135,6 +137,7 @@ def _rank(rank, world, backend, spec):
                 for C in [c for c in spec["chunks"] if c <= limit]:
                     moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
                                                       pipeline=world == 1, chunk_by=by)
+                    moe.dispatcher.rows_impl = spec["rows_impl"]
                     ms, peak = _timed(backend, step, spec["iters"])
                     rows_out.append({**base, "kind": "layer", "chunks": C, "ms": ms,
                                      "peak_bytes": peak, "chunk_by": by})
@@ -158,7 +161,8 @@ def _rank(rank, world, backend, spec):
                 ms, _ = _timed(backend, _comm_alone(pipe, x.detach().view(T, H), H), spec["iters"])
                 moved = 2 * (plan.order_A.numel() + sum(plan.recv[0])) * H * x.element_size()
                 rows_out.append({**base, "kind": "comm", "ms": ms, "bytes": moved})
-                run = _gemm_alone(moe, plan.expert_rows[0], H, device, dtype)
+                run = _gemm_alone(moe, plan.expert_rows[0], H, device, dtype,
+                                  rows_impl=spec["rows_impl"])
                 ms, _ = _timed(backend, run, spec["iters"])
                 M = sum(plan.expert_rows[0])
                 rows_out.append({**base, "kind": "gemm", "ms": ms, "rows": M,
@@ -234,7 +238,8 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
-              smoke=False, chunk_by="experts", baseline: str | None = None) -> dict:
+              smoke=False, chunk_by="experts", baseline: str | None = None,
+              rows_impl: str = "auto") -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -245,11 +250,12 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
     spec = {"model": dataclasses.asdict(cfg), "dtype": dtype, "tokens": tokens, "chunks": chunks,
             "transports": transports, "priorities": priorities, "iters": iters,
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
-            "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline}
+            "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline,
+            "rows_impl": rows_impl}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
-        "bench": "moe-layer", "chunk_by": chunk_by,
+        "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
         "backend": backend.name, "versions": backend.versions(),

@@ -13,6 +13,7 @@ from torch import nn
 
 from longmoe.config import ModelConfig
 from longmoe.ops.grouped_mm import grouped_mm
+from longmoe.ops.moe_rows import SwiGLU
 from longmoe.parallel.expert_parallel import ExpertDispatcher
 
 
@@ -54,6 +55,7 @@ class GroupedExperts(nn.Module):
         self.w_in = nn.Parameter(torch.empty(L, cfg.hidden_size, 2 * cfg.moe_ffn_size))
         self.w_out = nn.Parameter(torch.empty(L, cfg.moe_ffn_size, cfg.hidden_size))
         self.impl = "auto"
+        self.rows_impl = "auto"  # SwiGLU's row kernels (ops/moe_rows.py)
 
     def forward(self, x_MH, rows_per_expert, w_A=None, offs=None):
         """x_MH grouped by expert with `rows_per_expert` rows each; or, for expert parallelism,
@@ -62,8 +64,8 @@ class GroupedExperts(nn.Module):
         if not isinstance(rows_per_expert, list):
             return rows_per_expert.run(x_MH, w_A, self.w_in, self.w_out, self.impl)
         h_MF2 = grouped_mm(x_MH, self.w_in, rows_per_expert, offs, impl=self.impl)
-        gate, up = h_MF2.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w_out, rows_per_expert, offs, impl=self.impl)
+        a_MF = SwiGLU.apply(h_MF2, self.rows_impl)
+        return grouped_mm(a_MF, self.w_out, rows_per_expert, offs, impl=self.impl)
 
 
 class SharedExpert(nn.Module):

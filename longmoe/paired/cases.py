@@ -259,3 +259,58 @@ def megatron_moe_case(seed=0, T=53, num_experts=8, top_k=2, dtype=torch.float64)
     for k, ref in grads["megatron"].items():
         res.add(k, grads["ours"][k], ref)
     return res
+
+
+def moe_rows_case(impl="auto", seed=0, T=13, K=3, H=37, F=11, dtype=torch.float32,
+                  device=None) -> PairedResult:
+    """The MoE row kernels (ops/moe_rows.py) against the eager reference: the combine and its
+    gradients (rows and router weights), the dispatch's gradient, SwiGLU forward and backward
+    (with the expert-side router-weight dot), the scaled gather with its dot, and an accumulating
+    weighted K-sum. Rows sit in a random order of the T*K assignments (a permutation), as after
+    the routing sort."""
+    from longmoe.ops.moe_rows import (MOE_ROWS, SwiGLU, gather_scale, gather_sum,
+                                      swiglu_backward)
+    from longmoe.parallel.expert_parallel import (combine_permuted, dispatch_rows,
+                                                  inverse_permutation)
+    backend = active_backend()
+    device = device or backend.device(0)
+    g = torch.Generator().manual_seed(seed)
+    A = T * K
+    order = torch.randperm(A, generator=g).to(device)
+    inv = inverse_permutation(order)
+    x = torch.randn(T, H, generator=g).to(device)
+    y = torch.randn(A, H, generator=g).to(device)
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(device)  # fp32, like the router's
+    h = (2 * torch.randn(A, 2 * F, generator=g)).to(device)
+    ga = torch.randn(A, F, generator=g).to(device)
+    cy, cx = torch.randn(T, H, generator=g).to(device), torch.randn(A, H, generator=g).to(device)
+    ch = torch.randn(A, F, generator=g).to(device)
+    base = torch.randn(T, H, generator=g).to(device)
+    name = MOE_ROWS.select(impl, y.to(dtype)).name
+
+    def run(which, dt):
+        c = lambda t: t.to(dtype).to(dt).clone()  # noqa: E731  candidate-dtype values, ref precision
+        yy, ww = c(y).requires_grad_(), w.clone().requires_grad_()
+        out = combine_permuted(yy, order, ww, inv, impl=which)
+        d_rows, d_w = torch.autograd.grad((out * c(cy)).sum(), [yy, ww])
+        xx = c(x).requires_grad_()
+        (d_x,) = torch.autograd.grad((dispatch_rows(xx, order, inv, K, which) * c(cx)).sum(), [xx])
+        hh = c(h).requires_grad_()
+        a = SwiGLU.apply(hh, which)
+        (d_h,) = torch.autograd.grad((a * c(ch)).sum(), [hh])
+        gh, a2, dot = swiglu_backward(c(h), c(ga), with_dot=True, impl=which)
+        rows, dot2 = gather_scale(c(cy), order // K, w.reshape(-1)[order], c(y), impl=which)
+        acc = gather_sum(c(y), inv, w.reshape(-1), K, out=c(base).clone(), accumulate=True,
+                         impl=which)
+        return (out, d_rows, d_w, d_x, a, d_h, gh, a2, dot, rows, dot2, acc)
+
+    res = PairedResult("moe_rows", name, "torch", TOLERANCE[dtype],
+                       info={"T": T, "K": K, "H": H, "F": F, "dtype": str(dtype), "seed": seed})
+    keys = ("combine", "combine.d_rows", "combine.d_w", "dispatch.dX", "swiglu", "swiglu.dH",
+            "swiglu_bwd.dH", "swiglu_bwd.a", "swiglu_bwd.dot", "gather_scale", "gather_scale.dot",
+            "gather_sum+=")
+    for k, a, b in zip(keys, run(name, dtype), run("torch", _ref_dtype(dtype))):
+        res.add(k, a, b)
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("torch", dtype), backend, 3)
+    return res

@@ -52,7 +52,8 @@ def _run_layer(moe: MoE, x, c):
     return {"y": y.detach(), "dx": x.grad, "aux": aux.detach(), "grads": grads}
 
 
-def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, chunk_by):
+def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, chunk_by,
+             rows_impl="auto"):
     cfg = model_from_dict(cfg_dict)
     moe = MoE(cfg, ep_rank=rank, ep_size=world)
     init_params(moe, cfg, seed)
@@ -64,6 +65,7 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, c
                                       transport=backend.a2a(transport, dev),
                                       streams=backend.streams(), pipeline=True,
                                       chunk_by=chunk_by)
+    moe.dispatcher.rows_impl = moe.experts.rows_impl = rows_impl
     moe.batch_group = dist.group.WORLD
     x, c = _layer_inputs(cfg, seed, rank, T, skew)
     out = _run_layer(moe, x.to(dev), c.to(dev))
@@ -72,20 +74,23 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, c
 
 
 def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
-            device="cpu", transport="auto", chunk_by="experts") -> PairedResult:
+            device="cpu", transport="auto", chunk_by="experts", rows_impl="auto") -> PairedResult:
     """`device` names the backend the ranks run on ("cpu", "cuda", "rocm"); the reference is
-    always one CPU process in fp32. The ranks always run the chunk pipeline (with nproc=1 too,
-    where its all-to-alls are local)."""
+    always one CPU process in fp32 with the eager row ops and the loop grouped GEMM. The ranks
+    always run the chunk pipeline (with nproc=1 too, where its all-to-alls are local)."""
     cfg = get_preset("tiny").replace(top_k=top_k, num_experts=num_experts, router_aux_loss_coef=1e-2)
     ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew, transport,
-                      chunk_by, device=device)
+                      chunk_by, rows_impl, device=device)
     ref_moe = MoE(cfg)
     init_params(ref_moe, cfg, seed)
+    ref_moe.dispatcher.rows_impl = ref_moe.experts.rows_impl = "torch"
+    ref_moe.experts.impl = "loop"
     if skew:
         _skew_router(ref_moe, cfg, seed)
     inputs = [_layer_inputs(cfg, seed, r, T, skew) for r in range(nproc)]
     ref = _run_layer(ref_moe, torch.cat([x for x, _ in inputs], 1), torch.cat([c for _, c in inputs], 1))
-    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}-{device}-{transport}", "one-process",
+    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}-{device}-{transport}-rows:{rows_impl}",
+                       "one-process",
                        TOLERANCE[torch.float32],
                        info={"T_per_rank": T, "top_k": top_k, "skew": skew, "experts": num_experts})
     res.add("output", torch.cat([r["y"] for r in ranks], 1), ref["y"])

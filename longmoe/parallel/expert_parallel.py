@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longmoe.ops.moe_rows import Combine, DispatchRows
+
 
 @dataclass
 class RoutePlan:
@@ -155,69 +157,26 @@ def source_major_to_expert_major(recv_SL: torch.Tensor, total: int) -> torch.Ten
     return shift + torch.arange(total, device=recv_SL.device)
 
 
-class _Permute(torch.autograd.Function):
-    """rows[perm] for a permutation: the backward is the inverse gather, not the atomic
-    scatter-add autograd would use for a general index."""
-
-    @staticmethod
-    def forward(ctx, rows, perm, perm_inverse):
-        ctx.save_for_backward(perm_inverse)
-        return rows[perm]
-
-    @staticmethod
-    def backward(ctx, g):
-        (perm_inverse,) = ctx.saved_tensors
-        return g[perm_inverse], None, None
-
-
-def combine_rows(rows_A, tk, w_A, top_k, tk_inverse=None):
-    """Sum over k of w * row for each token: rows_A and w_A in sorted order, tk the gather back
-    to (token, k) order (a permutation of the rows). A gather and a batched [1, K] x [K, H]
-    product: no atomics, deterministic, fp32 accumulation. With `tk_inverse`, the rows' gradient
-    is the inverse gather too."""
-    H = rows_A.shape[1]
-    rows = rows_A[tk] if tk_inverse is None else _Permute.apply(rows_A, tk, tk_inverse)
-    y = rows.view(-1, top_k, H)
-    w = w_A[tk].view(-1, 1, top_k).to(y.dtype)
-    return torch.bmm(w, y).squeeze(1)
-
-
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
 
 
-class _DispatchRows(torch.autograd.Function):
-    """Row i = x[token of assignment order_A[i]]. The backward sums each token's K gradient rows
-    by a gather into (token, k) order and a reduction over k (fp32 inside), not by the
-    scatter-add autograd would use for an index with repeats (atomics, nondeterministic)."""
-
-    @staticmethod
-    def forward(ctx, x_TH, order_A, inv_A, top_k):
-        ctx.save_for_backward(inv_A)
-        ctx.top_k = top_k
-        return x_TH[order_A // top_k]
-
-    @staticmethod
-    def backward(ctx, g_AH):
-        (inv_A,) = ctx.saved_tensors
-        g = g_AH[inv_A].view(-1, ctx.top_k, g_AH.shape[1]).sum(1)
-        return g, None, None, None
-
-
-def dispatch_rows(x_TH, order_A, inv_A, top_k):
-    return _DispatchRows.apply(x_TH, order_A, inv_A, top_k)
+def dispatch_rows(x_TH, order_A, inv_A, top_k, impl: str = "auto"):
+    """Row i = x[token of assignment order_A[i]]; the backward sums each token's K rows by a
+    gather through inv_A (no atomics)."""
+    return DispatchRows.apply(x_TH, order_A, inv_A, top_k, impl)
 
 
 def combine_permuted(y_AH: torch.Tensor, order_A: torch.Tensor, w_TK: torch.Tensor,
-                     inv_A: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_k w[t, k] * y[row of (t, k)] where row i of y_AH holds assignment order_A[i]
-    (combine_rows over all tokens at once). On an H200 at 64K tokens this replaced an index_add
-    over the rows (bf16 atomics) that took 9.3 ms per call."""
-    K = w_TK.shape[1]
+                     inv_A: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """sum_k w[t, k] * y[row of (t, k)] where row i of y_AH holds assignment order_A[i]. A gather
+    and a weighted K-sum (one pass with the Triton rows kernels), deterministic, fp32 inside.
+    On an H200 at 64K tokens the first version of this replaced an index_add over the rows
+    (bf16 atomics) that took 9.3 ms per call."""
     inv = inverse_permutation(order_A) if inv_A is None else inv_A
-    return combine_rows(y_AH, inv, w_TK.reshape(-1)[order_A], K, tk_inverse=order_A)
+    return Combine.apply(y_AH, w_TK.reshape(-1), order_A, inv, w_TK.shape[1], impl)
 
 
 class ExpertDispatcher:
@@ -245,6 +204,7 @@ class ExpertDispatcher:
         # True: the chunk pipeline even with one rank (its all-to-alls are then local copies),
         # which measures what chunking itself costs on a single device.
         self.pipeline = pipeline
+        self.rows_impl = "auto"  # the combine/dispatch-gradient row kernels (ops/moe_rows.py)
 
     def __call__(self, x_TH, idx_TK, w_TK, experts, fill=None) -> torch.Tensor:
         """Routed expert output for x_TH, plus `fill()` (e.g. the shared expert) when given,
@@ -253,13 +213,13 @@ class ExpertDispatcher:
         if self.ep_size == 1 and not self.pipeline:  # all experts here: one grouped GEMM pass over every token
             plan = plan_routes(idx_TK, self.num_experts, 1)
             inv = inverse_permutation(plan.order_A)
-            x_AH = dispatch_rows(x_TH, plan.order_A, inv, K)
+            x_AH = dispatch_rows(x_TH, plan.order_A, inv, K, self.rows_impl)
             y_AH = experts(x_AH, plan.expert_rows[0], offs=plan.offs[0])
-            y = combine_permuted(y_AH, plan.order_A, w_TK, inv)
+            y = combine_permuted(y_AH, plan.order_A, w_TK, inv, self.rows_impl)
             return y if fill is None else y + fill()
         from longmoe.parallel.moe_pipeline import ChunkPipeline
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group, self.chunk_by)
-        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams)
+        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams, self.rows_impl)
         w_A = w_TK.reshape(-1)[plan.order_A]
         y_partial = experts(x_TH, pipe, w_A)
         return pipe.finish(y_partial, fill() if fill is not None else torch.zeros_like(y_partial))

@@ -35,44 +35,21 @@ checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
-from longmoe.parallel.expert_parallel import (RoutePlan, combine_rows, inverse_permutation,
+from longmoe.ops.moe_rows import gather_scale, gather_sum, swiglu_backward, swiglu_forward
+from longmoe.parallel.expert_parallel import (RoutePlan, inverse_permutation,
                                               source_major_to_expert_major)
-
-
-def swiglu(h_MF2: torch.Tensor) -> torch.Tensor:
-    gate, up = h_MF2.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def swiglu_backward(h_MF2: torch.Tensor, ga_MF: torch.Tensor, out=None):
-    """(d h, a) for a = silu(gate) * up, given d a; written into `out` = (d h, a) when given.
-    Five elementwise kernels in h's dtype (each computes in fp32 inside, as torch's opmath does):
-    an fp32 round trip of the [M, 2F] tensors cost 8 passes over them."""
-    gate, up = h_MF2.chunk(2, dim=-1)
-    Fh = gate.shape[-1]
-    gh, a = out if out is not None else (torch.empty_like(h_MF2), torch.empty_like(up))
-    silu = F.silu(gate)
-    torch.mul(ga_MF, silu, out=gh[:, Fh:])
-    gh[:, :Fh] = torch.ops.aten.silu_backward(ga_MF * up, gate)
-    torch.mul(silu, up, out=a)
-    return gh, a
-
-
-def row_dot(a_MH: torch.Tensor, b_MH: torch.Tensor) -> torch.Tensor:
-    """sum_h a[m, h] * b[m, h], accumulated in fp32: two kernels over the inputs' dtype instead
-    of fp32 copies of both operands."""
-    return (a_MH * b_MH).sum(-1, dtype=torch.promote_types(a_MH.dtype, torch.float32))
 
 
 class ChunkPipeline:
     """One layer's route plan plus how to move rows (transport) and order work (streams)."""
 
-    def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams):
+    def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams,
+                 rows_impl: str = "auto"):
         self.plan, self.top_k, self.group = plan, top_k, group
         self.transport, self.streams = transport, streams
+        self.rows_impl = rows_impl  # the gather/SwiGLU row kernels (ops/moe_rows.py)
         self._metas = None
 
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
@@ -90,10 +67,9 @@ class ChunkPipeline:
     def dispatch_grad(self, g_TH, c: int, metas, recv, marks):
         """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks."""
         a0, a1 = self.arange(c)
-        g_rows = g_TH[metas[c][0]]
+        g_rows, _ = gather_scale(g_TH, metas[c][0], self.w_A[a0:a1], impl=self.rows_impl)
         recv[c] = g_TH.new_empty((sum(self.plan.recv[c]), g_TH.shape[1]))
-        marks[c] = self.a2a(recv[c], g_rows * self.w_A[a0:a1, None].to(g_rows.dtype), c,
-                            reverse=False)
+        marks[c] = self.a2a(recv[c], g_rows, c, reverse=False)
 
     # --- per-chunk index metadata (device tensors; no host sync) --------------------------
     def arange(self, c: int) -> tuple[int, int]:
@@ -165,11 +141,11 @@ class ChunkPipeline:
         return st.mark_comm()
 
 
-def _experts_fwd(xg, w_in, w_out, rows, offs, impl):
+def _experts_fwd(xg, w_in, w_out, rows, offs, impl, rows_impl):
     if xg.shape[0] == 0:
         return xg.new_empty((0, w_in.shape[2])), xg.new_empty((0, w_out.shape[2]))
     h = grouped_mm(xg, w_in, rows, offs, impl=impl)
-    return h, grouped_mm(swiglu(h), w_out, rows, offs, impl=impl)
+    return h, grouped_mm(swiglu_forward(h, rows_impl), w_out, rows, offs, impl=impl)
 
 
 def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
@@ -219,7 +195,9 @@ class _PipelinedExperts(torch.autograd.Function):
             st.compute_waits(c_mark[c])
             a0, a1 = pipe.arange(c)
             s, e = plan.bounds[c]
-            y_TH[s:e] = combine_rows(comb[c], metas[c][3], w_A[a0:a1], pipe.top_k)
+            tk = metas[c][3]
+            gather_sum(comb[c], tk, w_A[a0:a1][tk], pipe.top_k, out=y_TH[s:e],
+                       impl=pipe.rows_impl)
             comb[c] = None
 
         for c in range(min(2, C)):
@@ -231,7 +209,7 @@ class _PipelinedExperts(torch.autograd.Function):
             recv[c] = None
             ex = pipe.experts(c)
             h, yg = _experts_fwd(xg, w_in[ex], w_out[ex], plan.expert_rows[c][ex],
-                                 plan.offs[c][ex], impl)
+                                 plan.offs[c][ex], impl, pipe.rows_impl)
             a0, a1 = pipe.arange(c)
             comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
@@ -284,7 +262,8 @@ class _PipelinedExperts(torch.autograd.Function):
         def accumulate(c):
             st.compute_waits(c_mark[c])
             s, e = plan.bounds[c]
-            gx_TH[s:e] = gx_A[slice(*pipe.arange(c))][metas[c][3]].view(e - s, K, H).sum(1)
+            gather_sum(gx_A[slice(*pipe.arange(c))], metas[c][3], None, K, out=gx_TH[s:e],
+                       impl=pipe.rows_impl)
 
         for c in range(min(2, C)):
             if d_mark[c] is None and recv[c] is None:
@@ -299,12 +278,13 @@ class _PipelinedExperts(torch.autograd.Function):
             a0, a1 = pipe.arange(c)
             if gy.shape[0]:
                 ga = grouped_mm(gy, w_out_t[ex], rows, offs, impl=impl)      # dgrad
-                swiglu_backward(hs[c], ga, out=(gh, a))
-                gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
                 # Router weights: dL/dw = <g, y> with y = a W_out the expert's output. On the
                 # expert side gy = w g, so <gy, a W_out> = <gy W_out^T, a> = <ga, a> = w <g, y>:
-                # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y.
-                gw_e = row_dot(ga, a)
+                # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y
+                # (with the Triton rows kernels, in the SwiGLU backward's own pass).
+                _, _, gw_e = swiglu_backward(hs[c], ga, out=(gh, a), with_dot=True,
+                                             impl=pipe.rows_impl)
+                gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
             else:
                 gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
             c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
@@ -320,7 +300,7 @@ class _PipelinedExperts(torch.autograd.Function):
         dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
         if pipe.by_experts:  # each token's dX rows came back over several chunks: sum them now
             st.compute_waits(c_mark[C - 1])
-            gx_TH = gx_A[pipe.tk_all].view(-1, K, H).sum(1)
+            gather_sum(gx_A, pipe.tk_all, None, K, out=gx_TH, impl=pipe.rows_impl)
         else:
             accumulate(C - 1)
         st.compute_waits(gw_mark)
@@ -343,7 +323,8 @@ class _FinishCombine(torch.autograd.Function):
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
         out = y_partial + y_fill
-        out[s:e] += combine_rows(y_rows, tk, w_rows, pipe.top_k)
+        gather_sum(y_rows, tk, w_rows[tk], pipe.top_k, out=out[s:e], accumulate=True,
+                   impl=pipe.rows_impl)
         ctx.pipe = pipe
         return out
 

@@ -78,6 +78,8 @@ class ImplConfig:
     # GRPO loss inside the LM head with gradients in the forward (auto | fused | fused_torch |
     # reference), or "unfused": log-probs from linear_ce, then the loss on them.
     policy_loss: str = "auto"
+    # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | torch.
+    moe_rows: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
     # tensor cores (10-bit mantissa, finer than the bf16 inputs; on an H200 at 16K-64K tokens the
@@ -92,8 +94,9 @@ class ImplConfig:
     def __post_init__(self):
         from longmoe.ops import GROUPED_MM, LINEAR_CE, POLICY_LOSS, RECOMPUTE
         from longmoe.ops.gated_delta import GATED_DELTA
+        from longmoe.ops.moe_rows import MOE_ROWS
         for field, reg, extra in (("linear_ce", LINEAR_CE, ()), ("grouped_mm", GROUPED_MM, ()),
-                                  ("gated_delta", GATED_DELTA, ()), ("recompute", RECOMPUTE, ()),
+                                  ("gated_delta", GATED_DELTA, ()), ("recompute", RECOMPUTE, ()), ("moe_rows", MOE_ROWS, ()),
                                   ("policy_loss", POLICY_LOSS, ("unfused",))):
             valid = ("auto", *reg.names(), *extra)
             if getattr(self, field) not in valid:

@@ -65,6 +65,37 @@ def _kernel_specs():
                        "stride_dwk": "i32",
                        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
                       lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
+    from longmoe.ops.kernels import moe_rows as mr
+    for dt in ("bf16", "fp16", "fp32"):
+        for acc in (False, True):
+            specs.append(("moe_rows", f"gather_sum[{dt}]{'+acc' if acc else ''}",
+                          mr.gather_sum_kernel,
+                          {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "w_ptr": "*fp32",
+                           "out_ptr": f"*{dt}", "H": "i32", "stride_src": "i32",
+                           "stride_out": "i32", "K": "constexpr", "BLOCK_H": "constexpr",
+                           "WEIGHTED": "constexpr", "ACCUMULATE": "constexpr"},
+                          lambda c, a=acc: {"K": 8, "BLOCK_H": c["BLOCK_H"], "WEIGHTED": True,
+                                            "ACCUMULATE": a}, "num_warps"))
+        specs.append(("moe_rows", f"gather_scale[{dt}]+dot", mr.gather_scale_kernel,
+                      {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "w_ptr": "*fp32",
+                       "out_ptr": f"*{dt}", "y_ptr": f"*{dt}", "dot_ptr": "*fp32", "H": "i32",
+                       "stride_src": "i32", "stride_out": "i32", "stride_y": "i32",
+                       "BLOCK_H": "constexpr", "WITH_DOT": "constexpr"},
+                      lambda c: {"BLOCK_H": c["BLOCK_H_ROW"], "WITH_DOT": True}, "num_warps_row"))
+        specs.append(("moe_rows", f"swiglu[{dt}]", mr.swiglu_kernel,
+                      {"h_ptr": f"*{dt}", "a_ptr": f"*{dt}", "M": "i32", "F": "i32",
+                       "stride_h": "i32", "stride_a": "i32", "BLOCK_M": "constexpr",
+                       "BLOCK_F": "constexpr"},
+                      lambda c: {"BLOCK_M": c["BLOCK_M"], "BLOCK_F": c["BLOCK_F"]},
+                      "num_warps_swiglu"))
+        specs.append(("moe_rows", f"swiglu_bwd[{dt}]+dot", mr.swiglu_bwd_kernel,
+                      {"h_ptr": f"*{dt}", "ga_ptr": f"*{dt}", "gh_ptr": f"*{dt}",
+                       "a_ptr": f"*{dt}", "dot_ptr": "*fp32", "M": "i32", "F": "i32",
+                       "stride_h": "i32", "stride_ga": "i32", "stride_gh": "i32",
+                       "stride_a": "i32", "BLOCK_M": "constexpr", "BLOCK_F": "constexpr",
+                       "WITH_DOT": "constexpr"},
+                      lambda c: {"BLOCK_M": c["BLOCK_M"], "BLOCK_F": c["BLOCK_F"],
+                                 "WITH_DOT": True}, "num_warps_swiglu"))
     from longmoe.ops.kernels import affine_scan as sc
     for adjoint in (False, True):
         # D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs
