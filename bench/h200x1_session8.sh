@@ -18,13 +18,15 @@ if [ "${PART:-1}" = 1 ]; then
   [ -n "${SKIP_OPS:-}" ] || timeout 120 python3 -m longmoe bench moe-rows --tokens 16384,65536 --configs "$CFGS" \
       --out "$OUT/moe_rows_ops.json" 2>&1 | grep "^|" | grep -v "| triton | BLOCK" | tail -12
   for r in torch triton torch; do
+    n=$((n + 1))  # not inside the pipeline below: that runs in a subshell
     timeout 150 python3 -m longmoe bench moe-layer --nproc 1 --tokens 16384,32768,65536 --chunks 1,4 \
-        --transports process_group --rows-impl $r --out "$OUT/moe_layer_1rank_rows_${r}_$((++n)).json" \
+        --transports process_group --rows-impl $r --out "$OUT/moe_layer_1rank_rows_${r}_$n.json" \
         2>&1 | grep "^|" | tail -3
   done
 else
   for r in torch auto torch; do
-    OUT=$OUT TOKENS=65536 STAGES="+chunked EP" RUN_TIMEOUT=150 TAG=_64k_rows_${r}_$((++n)) \
+    n=$((n + 1))
+    OUT=$OUT TOKENS=65536 STAGES="+chunked EP" RUN_TIMEOUT=150 TAG=_64k_rows_${r}_$n \
         EXTRA="--set impl.moe_rows=$r" timeout 160 bash bench/h200_train_path.sh
   done
 fi
