@@ -53,13 +53,17 @@ class DeviceStreams(HostStreams):
 
     def __init__(self, priority: int = 0):
         super().__init__()
-        self.stream = torch.cuda.Stream(priority=priority)
+        # The device index, passed to current_stream: without it each call looks the current
+        # device up in Python (under cProfile on an H200 host, 495 such calls took 15 ms of five
+        # 16K-token layer steps at C = 8; a chunked layer makes dozens per step).
+        self.device = torch.cuda.current_device()
+        self.stream = torch.cuda.Stream(self.device, priority=priority)
 
     def comm(self):
         return torch.cuda.stream(self.stream)
 
     def comm_waits_compute(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def mark_comm(self):
         ev = torch.cuda.Event()
@@ -68,7 +72,7 @@ class DeviceStreams(HostStreams):
 
     def compute_waits(self, mark) -> None:
         if mark is not None:
-            torch.cuda.current_stream().wait_event(mark)
+            torch.cuda.current_stream(self.device).wait_event(mark)
 
     def comm_uses(self, t: torch.Tensor) -> None:
         t.record_stream(self.stream)

@@ -48,6 +48,10 @@ class CudaBackend(TorchGpuBackend):
         if dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
             return False
         try:
-            return torch.cuda.get_device_capability() >= GROUPED_MM_MIN_CAPABILITY
+            dev = torch.cuda.current_device()
+            cache = self.__dict__.setdefault("_grouped_mm_capable", {})
+            if dev not in cache:  # asked at every grouped GEMM: read the device once
+                cache[dev] = torch.cuda.get_device_capability(dev) >= GROUPED_MM_MIN_CAPABILITY
+            return cache[dev]
         except Exception:  # no usable device: the ops registry must take the fallback
             return False

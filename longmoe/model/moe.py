@@ -14,7 +14,7 @@ from torch import nn
 from longmoe.config import ModelConfig
 from longmoe.ops.grouped_mm import grouped_mm
 from longmoe.ops.moe_rows import SwiGLU
-from longmoe.parallel.expert_parallel import ExpertDispatcher
+from longmoe.parallel.expert_parallel import ExpertDispatcher, count_ids
 
 
 class Router(nn.Module):
@@ -106,7 +106,7 @@ class MoE(nn.Module):
         token count. Summing gradients across ranks then gives the global loss's gradient."""
         E, K = self.cfg.num_experts, self.cfg.top_k
         with torch.no_grad():
-            stats = torch.cat([torch.bincount(idx_TK.reshape(-1), minlength=E).float(),
+            stats = torch.cat([count_ids(idx_TK.clamp(0, E - 1), E).to(probs_TE.dtype),
                                torch.full((1,), float(idx_TK.shape[0]), device=probs_TE.device,
                                           dtype=probs_TE.dtype)])
             if self.batch_group is not None:

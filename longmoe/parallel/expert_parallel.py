@@ -88,7 +88,7 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
         chunk_A = _chunk_of_token(L, C, idx_TK.device)[idx % L]
     key = (chunk_A * num_experts + idx).reshape(-1)
     order_A = torch.argsort(key, stable=True)
-    counts_CE = torch.bincount(key, minlength=C * num_experts).view(C, num_experts)
+    counts_CE = count_ids(key, C * num_experts).view(C, num_experts)
     if S > 1:
         counts_SCE = counts_CE.new_empty((S * C, num_experts))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,6 +121,15 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
         plan.a_ranges.append((a0, a0 + n))
         a0 += n
     return plan
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `ids` (int64), without a host synchronisation:
+    torch.bincount on a GPU reads the ids' range back to the host first, which drains the
+    device queue once more per MoE layer. Integer adds, so the result is exact in any order."""
+    ids = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids, dtype=torch.int64))
 
 
 def _chunk_of_token(T: int, C: int, device) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""Host time of one MoE layer's fwd+bwd against its device time, per chunk count, on one GPU
+(the pipeline with local all-to-alls): when the host takes longer than the device, the GPU waits
+on Python. Prints a JSON line per case and the top host functions (cProfile) of the largest C.
+
+    python bench/host_overhead.py --tokens 16384 --chunks 1,4,8 --out host.json
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--chunks", default="1,4,8")
+    ap.add_argument("--rows-impl", default="auto")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    from longmoe.config import get_preset
+    from longmoe.model.moe import MoE
+    from longmoe.model.transformer import init_params
+    from longmoe.parallel.expert_parallel import ExpertDispatcher
+    from longmoe.backends import active_backend
+    be = active_backend()
+    dev = be.device(0)
+    cfg = get_preset("qwen3.5-35b-a3b")
+    moe = MoE(cfg)
+    init_params(moe, cfg, 0)
+    moe.to(device=dev, dtype=torch.bfloat16)
+    moe.experts.rows_impl = a.rows_impl
+    x = torch.randn(1, a.tokens, cfg.hidden_size, device=dev, dtype=torch.bfloat16,
+                    requires_grad=True)
+    gy = torch.randn_like(x)
+
+    def step():
+        y, aux = moe(x)
+        torch.autograd.backward([y, aux], [gy, torch.ones_like(aux)])
+
+    out = []
+    for C in [int(c) for c in a.chunks.split(",")]:
+        moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, C, transport=be.a2a("auto", dev),
+                                          streams=be.streams(), pipeline=True)
+        moe.dispatcher.rows_impl = a.rows_impl
+        for _ in range(3):
+            step()
+        be.synchronize()
+        host, dev_ms = [], []
+        for _ in range(a.iters):
+            be.synchronize()
+            with be.timer() as t:
+                t0 = time.perf_counter()
+                step()
+                host.append((time.perf_counter() - t0) * 1e3)
+            dev_ms.append(t.elapsed_ms)
+        row = {"T": a.tokens, "chunks": C, "host_ms": statistics.median(host),
+               "wall_ms": statistics.median(dev_ms), "rows_impl": a.rows_impl}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(5):
+        step()
+    pr.disable()
+    be.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    print(s.getvalue()[-6000:])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": be.probe().get("device_name"), "versions": be.versions(),
+                       "rows": out, "profile_top": s.getvalue()[-6000:]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
