@@ -59,15 +59,8 @@ class DeviceStreams(HostStreams):
         self.device = torch.cuda.current_device()
         self.stream = torch.cuda.Stream(self.device, priority=priority)
 
-    @contextlib.contextmanager
     def comm(self):
-        # torch.cuda.stream(...) looks the current device up twice more per use.
-        prev = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(self.stream)
-        try:
-            yield
-        finally:
-            torch.cuda.set_stream(prev)
+        return torch.cuda.stream(self.stream)
 
     def comm_waits_compute(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

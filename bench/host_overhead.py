@@ -22,14 +22,8 @@ def main():
     ap.add_argument("--chunks", default="1,4,8")
     ap.add_argument("--rows-impl", default="auto")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--comm-context", choices=["longmoe", "torch"], default="longmoe",
-                    help="torch: enter the comm stream with torch.cuda.stream (the A/B of the "
-                         "session-8 change)")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.comm_context == "torch":
-        from longmoe.backends.streams import DeviceStreams
-        DeviceStreams.comm = lambda self: torch.cuda.stream(self.stream)
     from longmoe.config import get_preset
     from longmoe.model.moe import MoE
     from longmoe.model.transformer import init_params
@@ -67,8 +61,7 @@ def main():
                 host.append((time.perf_counter() - t0) * 1e3)
             dev_ms.append(t.elapsed_ms)
         row = {"T": a.tokens, "chunks": C, "host_ms": statistics.median(host),
-               "wall_ms": statistics.median(dev_ms), "rows_impl": a.rows_impl,
-               "comm_context": a.comm_context}
+               "wall_ms": statistics.median(dev_ms), "rows_impl": a.rows_impl}
         print(json.dumps(row), flush=True)
         out.append(row)
     pr = cProfile.Profile()

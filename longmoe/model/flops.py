@@ -6,7 +6,6 @@ Per token and layer, forward (a multiply-add is 2 FLOPs):
   attention core         4*N*D*ctx, ctx = (S+1)/2 for causal attention over a sequence of S
   router                 2*H*E
   routed experts         top_k * 6*H*F                        (gate+up: 4*H*F, down: 2*F*H)
-  combine                top_k * 2*H                          (router-weighted sum of their outputs)
   shared expert          6*H*Fs + 2*H                         (and its sigmoid gate)
 A linear_attention (Gated DeltaNet) layer replaces the attention terms by
   projections            2*H*(2*Kd + 2*Vd + 2*Hv) + 2*Vd*H    (qkv, z, a, b in; out)
@@ -16,7 +15,10 @@ A linear_attention (Gated DeltaNet) layer replaces the attention terms by
 and once per token the LM head 2*H*V. Training is 3x forward (backward = 2x). Full recompute runs
 each block's forward again (+1x the layers, not the head: linear CE is not recomputed); selective
 recompute keeps every matmul/attention output and re-runs only memory-bound ops, which add no
-matmul FLOPs (counted as 0 here).
+matmul FLOPs (counted as 0 here). The routed experts' combine (a router-weighted sum of K rows
+per token) is memory-bound row work, not a matmul (ops/moe_rows.py), and is not counted either:
+2*K*H a token, 0.07% of the experts' FLOPs at F = 512. (Until session 8 it was counted, as the
+batched product the combine then ran as.)
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool =
         proj = 2 * H * (q_out + 2 * K * D) + 2 * N * D * H
         core = attention_core_flops_per_token(cfg, seq_len, causal)
     router = 2 * H * cfg.num_experts
-    routed = cfg.top_k * (6 * H * cfg.moe_ffn_size + 2 * H)
+    routed = cfg.top_k * 6 * H * cfg.moe_ffn_size
     shared = (6 * H * cfg.shared_expert_ffn_size + 2 * H) if cfg.shared_expert_ffn_size else 0
     return proj + core + router + routed + shared
 

@@ -39,10 +39,9 @@ class TorchRows:
     @staticmethod
     def gather_sum(src, idx, w, K, out, accumulate):
         rows = src[idx].view(-1, K, src.shape[1])
-        if w is None:
-            r = rows.sum(1)
-        else:
-            r = torch.bmm(w.view(-1, 1, K).to(rows.dtype), rows).squeeze(1)
+        if w is not None:  # elementwise, not a batched product: the combine is row work
+            rows = rows * w.view(-1, K, 1).to(rows.dtype)
+        r = rows.sum(1)  # low-precision sums accumulate in fp32 inside
         return out.add_(r) if accumulate else out.copy_(r)
 
     @staticmethod

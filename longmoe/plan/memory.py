@@ -160,9 +160,10 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
             + 2 * b * nd)                                   # gated output, o_proj input
     moe_dense = (norm + 4 * H + 4 * E                       # fp32 router input and probs
                  + (5 * b * Fs + b * H if Fs else 0))       # shared expert FFN and its gate
-    # Per routed row: the grouped-GEMM input, the [2F] up/gate output, silu and product, and the
-    # combined output kept for the routing-weight multiply.
-    routed_saved = 2 * b * H + 4 * b * F
+    # Per routed row: the grouped-GEMM input, the [2F] up/gate output (all SwiGLU keeps), its
+    # product (the down GEMM's input), and the expert output the combine keeps for the routing
+    # weights' gradient. (Before session 8 autograd over eager SwiGLU also kept silu: 4F.)
+    routed_saved = 2 * b * H + 3 * b * F
     # Alive only around the dispatch/combine: the all-to-all send/recv copies and, in backward,
     # their gradients (three H-wide copies and the FFN gradient at once).
     routed_transient = 3 * b * H + 2 * b * F
