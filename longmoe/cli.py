@@ -86,6 +86,25 @@ def _cmd_bench(a) -> int:
     return 0
 
 
+def _cmd_bench_gmm(a) -> int:
+    from longmoe.backends import active_backend
+    from longmoe.bench import write_json_and_table
+    from longmoe.bench.grouped_mm import markdown_table, parse_configs, run_bench
+    from longmoe.ops.grouped_mm import GROUPED_MM
+    impls = a.impls.split(",")
+    bad = [i for i in impls if i not in GROUPED_MM.names()]
+    if bad:
+        raise UserError(f"--impls: unknown {bad[0]!r}; valid: {', '.join(GROUPED_MM.names())}")
+    try:
+        configs = parse_configs(a.configs)
+    except ValueError as e:
+        raise UserError(f"--configs: {e}") from None
+    report = run_bench(_ints(a.tokens, "--tokens"), a.top_k, a.experts, a.hidden, a.ffn, a.dtype,
+                       impls, configs, a.iters, a.device or active_backend().name)
+    write_json_and_table(report, a.out, markdown_table)
+    return 0
+
+
 def _cmd_bench_rows(a) -> int:
     from longmoe.backends import active_backend
     from longmoe.bench import write_json_and_table
@@ -267,6 +286,21 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--device", help="backend name (default: auto)")
     br.add_argument("--out", help="write the JSON report here")
     br.set_defaults(fn=_cmd_bench_rows)
+
+    bg = bsub.add_parser("grouped-mm", help="the experts' six grouped GEMMs per implementation "
+                                            "and Triton tile config")
+    bg.add_argument("--tokens", default="16384,65536")
+    bg.add_argument("--top-k", type=int, default=8)
+    bg.add_argument("--experts", type=int, default=128, help="experts on the rank (256 / EP)")
+    bg.add_argument("--hidden", type=int, default=2048)
+    bg.add_argument("--ffn", type=int, default=512)
+    bg.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bg.add_argument("--impls", default="torch,triton")
+    bg.add_argument("--configs", help="JSON list of Triton tile overrides (default: shipped)")
+    bg.add_argument("--iters", type=int, default=10)
+    bg.add_argument("--device", help="backend name (default: auto)")
+    bg.add_argument("--out", help="write the JSON report here")
+    bg.set_defaults(fn=_cmd_bench_gmm)
 
     bd = bsub.add_parser("gated-delta", help="Gated DeltaNet core fwd/fwd+bwd per impl and matmul "
                                              "precision, beside causal SDPA at the same length")
