@@ -37,14 +37,7 @@ class TorchRows:
     """The reference."""
 
     @staticmethod
-    def gather_sum(src, idx, w, K, out, accumulate, rows=None):
-        if rows is not None:  # only indices in [lo, hi) count, at idx - lo
-            lo, hi = rows
-            inside = (idx >= lo) & (idx < hi)
-            w = inside.to(src.dtype) if w is None else torch.where(inside, w, 0)
-            idx = torch.where(inside, idx - lo, 0)
-            if src.shape[0] == 0:
-                return out if accumulate else out.zero_()
+    def gather_sum(src, idx, w, K, out, accumulate):
         rows = src[idx].view(-1, K, src.shape[1])
         if w is not None:  # elementwise, not a batched product: the combine is row work
             rows = rows * w.view(-1, K, 1).to(rows.dtype)
@@ -88,10 +81,10 @@ class TritonRows:
         return {**cfg, **TritonRows.override} if TritonRows.override else cfg
 
     @staticmethod
-    def gather_sum(src, idx, w, K, out, accumulate, rows=None):
+    def gather_sum(src, idx, w, K, out, accumulate):
         from longmoe.ops.kernels.moe_rows import launch_gather_sum
         return launch_gather_sum(src, idx.contiguous(), None if w is None else w.contiguous(),
-                                 out, K, accumulate, TritonRows._cfg(), rows)
+                                 out, K, accumulate, TritonRows._cfg())
 
     @staticmethod
     def gather_scale(src, idx, w, y):
@@ -138,11 +131,9 @@ def _rowwise(*ts: torch.Tensor) -> bool:
 
 
 def gather_sum(src_MH, idx_A, w_A=None, top_k: int = 1, out=None, accumulate: bool = False,
-               impl: str = "auto", rows: tuple[int, int] | None = None) -> torch.Tensor:
+               impl: str = "auto") -> torch.Tensor:
     """out[t] (+)= sum_k w[t*K + k] * src[idx[t*K + k]] (w = 1 when None); `out` is [A/K, H] with
-    unit column stride, fresh when None, in any float dtype (an fp32 accumulator for bf16 rows).
-    With `rows` = (lo, hi), src holds only rows lo..hi-1 of the index space: other indices add
-    nothing (one chunk's share of each token's rows). No autograd."""
+    unit column stride, fresh when None. No autograd."""
     if idx_A.numel() % top_k:
         raise ValueError(f"gather_sum: {idx_A.numel()} indices are not a multiple of top_k={top_k}")
     if out is None:
@@ -150,7 +141,7 @@ def gather_sum(src_MH, idx_A, w_A=None, top_k: int = 1, out=None, accumulate: bo
     if not _rowwise(src_MH, out):
         src_MH = src_MH.contiguous()
     ops = _ops(src_MH, impl) if _rowwise(out) else TorchRows
-    return ops.gather_sum(src_MH, idx_A, w_A, top_k, out, accumulate, rows)
+    return ops.gather_sum(src_MH, idx_A, w_A, top_k, out, accumulate)
 
 
 def gather_scale(src_TH, idx_M, w_M, y_MH=None, impl: str = "auto"):

@@ -22,11 +22,9 @@ layout as each chunk finishes (index_put) ran at a third of copy bandwidth, the 
 
 A chunk is a range of each rank's local experts (plan.expert_bounds: every token's assignments to
 them; its GEMMs read only those experts' weights) or a token range. Combines never use atomics:
-each chunk's rows, once landed, are gathered back by (token, k) and summed weighted over k
-(ops/moe_rows.gather_sum), into the chunk's token slice for token chunks; for expert chunks (a
-token's rows come back over several chunks) into an fp32 [T, H] accumulator, each chunk adding
-the slots that fall in its row range, rounded once at the end. The dX rows of the backward are
-reduced the same way. So no buffer holds every chunk's rows at once.
+rows are gathered back to (token, k) order and reduced with one batched [1, K] x [K, H] product,
+per chunk into its token slice for token chunks, once at the end over all rows for expert chunks
+(a token's rows come back over several chunks).
 Grouped-GEMM offsets come from the route plan on the device: no host list reaches the device
 inside the layer (each would be a stream synchronisation).
 
@@ -57,7 +55,7 @@ class ChunkPipeline:
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
         """The routed output without the last chunk's combine, which is left in flight: call
         `finish` with the work that should run under it (the shared expert)."""
-        self.last = None        # (mark of the last combine, its finish(y_partial, y_fill))
+        self.last = None        # (mark, tokens, combined rows, weights) of the pending chunk
         self.bwd_started = None  # gradient dispatches issued early by _FinishCombine.backward
         self.w_A = w_A.detach()
         return _PipelinedExperts.apply(x_TH, w_A, w_in, w_out, self, impl)
@@ -182,35 +180,24 @@ class _PipelinedExperts(torch.autograd.Function):
         # Combined expert outputs: one buffer per chunk, dropped once accumulated (the router
         # weights' gradient is rebuilt on the expert side in the backward).
         comb = [None] * C
-        by_e, K = pipe.by_experts, pipe.top_k
-        # Token chunks reduce each chunk into its token slice. Expert chunks return a token's
-        # rows over several chunks: each chunk's share is added, when it lands, into an fp32
-        # accumulator (T x H, a quarter of one A x H bf16 buffer at top-8), rounded once at the
-        # end; the output here is a placeholder that _FinishCombine replaces.
-        acc_dtype = torch.promote_types(x_TH.dtype, torch.float32)
-        y_acc = torch.zeros(x_TH.shape, dtype=acc_dtype, device=x_TH.device) if by_e else None
-        w_tk = w_A[pipe.tk_all] if by_e else None  # each (token, k) slot's weight
-        y_TH = x_TH.new_zeros(()).expand(x_TH.shape) if by_e else torch.empty_like(x_TH)
+        by_e = pipe.by_experts
+        # Expert chunks return each token's rows over several chunks: one buffer for all, reduced
+        # once at the end (in _FinishCombine); token chunks reduce each chunk into its slice.
+        y_A = x_TH.new_empty((plan.order_A.numel(), H)) if by_e else None
+        y_TH = torch.zeros_like(x_TH) if by_e else torch.empty_like(x_TH)
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
         def dispatch(c):
             recv[c] = x_TH.new_empty((sum(plan.recv[c]), H))
             d_mark[c] = pipe.a2a(recv[c], x_TH[metas[c][0]], c, reverse=False)
 
-        def reduce(c, out):
-            a0, a1 = pipe.arange(c)
-            if by_e:
-                gather_sum(comb[c], pipe.tk_all, w_tk, K, out=out, accumulate=True,
-                           impl=pipe.rows_impl, rows=(a0, a1))
-            else:
-                s, e = plan.bounds[c]
-                tk = metas[c][3]
-                gather_sum(comb[c], tk, w_A[a0:a1][tk], K, out=out[s:e],
-                           accumulate=out is not y_TH, impl=pipe.rows_impl)
-
         def accumulate(c):
             st.compute_waits(c_mark[c])
-            reduce(c, y_acc if by_e else y_TH)
+            a0, a1 = pipe.arange(c)
+            s, e = plan.bounds[c]
+            tk = metas[c][3]
+            gather_sum(comb[c], tk, w_A[a0:a1][tk], pipe.top_k, out=y_TH[s:e],
+                       impl=pipe.rows_impl)
             comb[c] = None
 
         for c in range(min(2, C)):
@@ -224,27 +211,21 @@ class _PipelinedExperts(torch.autograd.Function):
             h, yg = _experts_fwd(xg, w_in[ex], w_out[ex], plan.expert_rows[c][ex],
                                  plan.offs[c][ex], impl, pipe.rows_impl)
             a0, a1 = pipe.arange(c)
-            comb[c] = x_TH.new_empty((a1 - a0, H))
+            comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
             yg = None  # its gathered copy is what the comm stream sends
             if c + 2 < C:
                 dispatch(c + 2)
-            if c:
+            if c and not by_e:
                 accumulate(c - 1)
             hs.append(h)
-        if not by_e:
+        if by_e:  # every chunk's combine lands in _FinishCombine, reduced there at once
+            pipe.last = (c_mark[C - 1], (0, x_TH.shape[0]), pipe.tk_all, y_A, w_A)
+        else:
+            a0, a1 = pipe.arange(C - 1)
             s, e = plan.bounds[C - 1]
             y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
-
-        def finish(y_partial, y_fill):
-            """The routed output plus y_fill, once the last chunk's combine has landed."""
-            if by_e:
-                reduce(C - 1, y_acc)
-                return y_acc.add_(y_fill).to(y_fill.dtype)
-            out = y_partial + y_fill
-            reduce(C - 1, out)
-            return out
-        pipe.last = (c_mark[C - 1], finish)
+            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
         st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_A, w_in, w_out, xg_all, *hs)
         ctx.pipe, ctx.impl = pipe, impl
@@ -260,17 +241,12 @@ class _PipelinedExperts(torch.autograd.Function):
         started, pipe.bwd_started = pipe.bwd_started, None
         g_TH = started[0] if started else g_TH.contiguous()
         metas = pipe.metas()
+        gx_TH = torch.empty_like(g_TH)
         acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
-        by_e = pipe.by_experts
-        # dX rows come back into one buffer per chunk, reduced as it lands: into the token slice
-        # (token chunks) or, for expert chunks (a token's rows span chunks), into an fp32
-        # accumulator rounded once at the end.
-        gx_TH = torch.zeros(g_TH.shape, dtype=acc, device=g_TH.device) if by_e \
-            else torch.empty_like(g_TH)
-        gxr = [None] * C
         gw_A = torch.empty(w_A.shape, dtype=acc, device=w_A.device)
         gw_mark = None
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
+        gx_A = g_TH.new_empty((plan.order_A.numel(), H))
         recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
         # The weight-gradient operands of all chunks, chunk-major, written in place as each
@@ -285,13 +261,9 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
-            if by_e:
-                gather_sum(gxr[c], pipe.tk_all, None, K, out=gx_TH, accumulate=True,
-                           impl=pipe.rows_impl, rows=pipe.arange(c))
-            else:
-                s, e = plan.bounds[c]
-                gather_sum(gxr[c], metas[c][3], None, K, out=gx_TH[s:e], impl=pipe.rows_impl)
-            gxr[c] = None
+            s, e = plan.bounds[c]
+            gather_sum(gx_A[slice(*pipe.arange(c))], metas[c][3], None, K, out=gx_TH[s:e],
+                       impl=pipe.rows_impl)
 
         for c in range(min(2, C)):
             if d_mark[c] is None and recv[c] is None:
@@ -315,21 +287,22 @@ class _PipelinedExperts(torch.autograd.Function):
                 gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
             else:
                 gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
-            gxr[c] = g_TH.new_empty((a1 - a0, H))
-            c_mark[c] = pipe.a2a(gxr[c], gxg[metas[c][2]], c, reverse=True)
+            c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
             gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             gxg = ga = gw_e = None  # sent as gathered copies; free before the next chunk or wgrad
             if c + 2 < C:
                 dispatch(c + 2)
-            if c:
+            if c and not pipe.by_experts:
                 accumulate(c - 1)
         # The layer's weight gradients run under the last chunk's combine.
         dw_out = _chunked_wgrad(a_all, gy_all, pipe, w_out, impl)
         del a_all, gy_all
         dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
-        accumulate(C - 1)
-        if by_e:
-            gx_TH = gx_TH.to(g_TH.dtype)
+        if pipe.by_experts:  # each token's dX rows came back over several chunks: sum them now
+            st.compute_waits(c_mark[C - 1])
+            gather_sum(gx_A, pipe.tk_all, None, K, out=gx_TH, impl=pipe.rows_impl)
+        else:
+            accumulate(C - 1)
         st.compute_waits(gw_mark)
         w = w_A.to(acc)
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
@@ -344,12 +317,14 @@ class _FinishCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_partial, y_fill, pipe: ChunkPipeline):
-        mark, finish = pipe.last
+        mark, (s, e), tk, y_rows, w_rows = pipe.last
         pipe.last = None
         st = pipe.streams
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
-        out = finish(y_partial, y_fill)
+        out = y_partial + y_fill
+        gather_sum(y_rows, tk, w_rows[tk], pipe.top_k, out=out[s:e], accumulate=True,
+                   impl=pipe.rows_impl)
         ctx.pipe = pipe
         return out
 

@@ -67,16 +67,15 @@ def _kernel_specs():
                       lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
     from longmoe.ops.kernels import moe_rows as mr
     for dt in ("bf16", "fp16", "fp32"):
-        for ranged in (False, True):  # ranged: one chunk's rows into an fp32 accumulator
-            specs.append(("moe_rows", f"gather_sum[{dt}]{'+ranged+acc[fp32]' if ranged else ''}",
+        for acc in (False, True):
+            specs.append(("moe_rows", f"gather_sum[{dt}]{'+acc' if acc else ''}",
                           mr.gather_sum_kernel,
                           {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "w_ptr": "*fp32",
-                           "out_ptr": "*fp32" if ranged else f"*{dt}", "H": "i32",
-                           "stride_src": "i32", "stride_out": "i32", "lo": "i32", "hi": "i32",
-                           "K": "constexpr", "BLOCK_H": "constexpr", "WEIGHTED": "constexpr",
-                           "ACCUMULATE": "constexpr", "RANGED": "constexpr"},
-                          lambda c, r=ranged: {"K": 8, "BLOCK_H": c["BLOCK_H"], "WEIGHTED": True,
-                                               "ACCUMULATE": r, "RANGED": r}, "num_warps"))
+                           "out_ptr": f"*{dt}", "H": "i32", "stride_src": "i32",
+                           "stride_out": "i32", "K": "constexpr", "BLOCK_H": "constexpr",
+                           "WEIGHTED": "constexpr", "ACCUMULATE": "constexpr"},
+                          lambda c, a=acc: {"K": 8, "BLOCK_H": c["BLOCK_H"], "WEIGHTED": True,
+                                            "ACCUMULATE": a}, "num_warps"))
         specs.append(("moe_rows", f"gather_scale[{dt}]+dot", mr.gather_scale_kernel,
                       {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "w_ptr": "*fp32",
                        "out_ptr": f"*{dt}", "y_ptr": f"*{dt}", "dot_ptr": "*fp32", "H": "i32",

@@ -6,8 +6,7 @@ Legend: T tokens, K top-k, A = T*K assignments (rows), H hidden, M rows, F exper
 All arithmetic in fp32; results rounded once to the output's dtype.
 
   gather_sum     out[t] (+)= sum_k w[t*K + k] * src[idx[t*K + k]]    programs over (t, H block)
-                 (the combine; unweighted, the dispatch's gradient); ranged: only the indices in
-                 [lo, hi) count, read at idx - lo (one chunk's rows of a token)
+                 (the combine; unweighted, the dispatch's gradient)
   gather_scale   out[i] = w[i] * src[idx[i]], and dot[i] = <src[idx[i]], y[i]>   a program per row
                  (the combine's gradient: rows for the experts and the router weights' gradient)
   swiglu         a = silu(gate) * up over h = [gate | up]                programs over (M, F) tiles
@@ -22,21 +21,16 @@ import triton.language as tl
 
 
 @triton.jit
-def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, stride_src, stride_out, lo, hi,
+def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, stride_src, stride_out,
                       K: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr,
-                      ACCUMULATE: tl.constexpr, RANGED: tl.constexpr):
+                      ACCUMULATE: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for k in tl.static_range(K):
         r = tl.load(idx_ptr + t * K + k).to(tl.int64)
-        m = mask
-        if RANGED:  # only rows lo <= r < hi exist here, at r - lo (one chunk's rows)
-            inside = (r >= lo) & (r < hi)
-            r = tl.where(inside, r - lo, 0)
-            m = mask & (tl.full((BLOCK_H,), 0, tl.int32) + inside.to(tl.int32) > 0)
-        v = tl.load(src_ptr + r * stride_src + cols, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(src_ptr + r * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
         if WEIGHTED:
             v = v * tl.load(w_ptr + t * K + k).to(tl.float32)
         acc += v
@@ -114,17 +108,15 @@ def _extra(cfg: dict) -> dict:
     return {k: cfg[k] for k in ("waves_per_eu",) if k in cfg}
 
 
-def launch_gather_sum(src, idx, w, out, K: int, accumulate: bool, cfg: dict, rows=None):
+def launch_gather_sum(src, idx, w, out, K: int, accumulate: bool, cfg: dict):
     T, H = out.shape
     if T == 0:
         return out
     block = min(cfg["BLOCK_H"], triton.next_power_of_2(H))
-    lo, hi = rows if rows is not None else (0, 0)
     gather_sum_kernel[(T, triton.cdiv(H, block))](
-        src, idx, w if w is not None else idx, out, H, src.stride(0) if src.shape[0] else H,
-        out.stride(0), lo, hi, K=K, BLOCK_H=block, WEIGHTED=w is not None,
-        ACCUMULATE=accumulate, RANGED=rows is not None, num_warps=cfg["num_warps"],
-        **_extra(cfg))
+        src, idx, w if w is not None else idx, out, H, src.stride(0), out.stride(0), K=K,
+        BLOCK_H=block, WEIGHTED=w is not None, ACCUMULATE=accumulate,
+        num_warps=cfg["num_warps"], **_extra(cfg))
     return out
 
 
