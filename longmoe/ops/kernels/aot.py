@@ -64,7 +64,8 @@ def _kernel_specs():
                        "stride_xm": "i32", "stride_dym": "i32", "stride_dwg": "i32",
                        "stride_dwk": "i32",
                        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-                      lambda c: {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "num_warps"))
+                      lambda c: {k: gg.dw_tiles(c)[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
+                      "num_warps_dw"))
     from longmoe.ops.kernels import moe_rows as mr
     for dt in ("bf16", "fp16", "fp32"):
         for acc in (False, True):
@@ -137,7 +138,8 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None)
             continue
         for where, cfg in _configs_for(table, key, target):
             rep = CompileReport(key, name, target, {"where": where, **cfg}, ok=False)
-            opts = {"num_warps": cfg[warps_key], **{k: cfg[k] for k in t.launch_keys if k in cfg}}
+            warps = cfg[warps_key] if warps_key in cfg else cfg["num_warps"]
+            opts = {"num_warps": warps, **{k: cfg[k] for k in t.launch_keys if k in cfg}}
             if "num_stages" in cfg:
                 opts["num_stages"] = cfg["num_stages"]
             reports.append(compile_and_check(rep, t, gpu, fn, sig, constexprs(cfg), opts))
