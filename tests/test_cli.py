@@ -291,3 +291,36 @@ def test_bench_gated_delta_rejects_bad_variants(capsys, variants, msg):
     assert main(["bench", "gated-delta", "--smoke", "--variants", variants]) == 2
     err = capsys.readouterr().err
     assert "--variants" in err and msg in err
+
+
+@pytest.mark.parametrize("argv,flag,msg", [
+    (["moe-layer", "--smoke", "--device", "cpu", "--rows-impl", "cuda"], "--rows-impl", "'cuda'"),
+    (["moe-rows", "--configs", '{"BLOCK_H": 64}'], "--configs", "JSON list"),
+    (["grouped-mm", "--impls", "torch,cublas"], "--impls", "'cublas'"),
+    (["grouped-mm", "--configs", "[1]"], "--configs", "JSON list"),
+])
+def test_bench_rejects_bad_flags(capsys, argv, flag, msg):
+    from longmoe.cli import main
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_moe_rows_and_grouped_mm_run_on_cpu(tmp_path):
+    # No Triton on a plain CPU: the eager rows and the loop GEMM run, the rest is reported skipped.
+    import json
+    from longmoe.cli import main
+    out = tmp_path / "rows.json"
+    assert main(["bench", "moe-rows", "--tokens", "8", "--top-k", "2", "--hidden", "24",
+                 "--ffn", "8", "--iters", "1", "--device", "cpu", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert {r["impl"] for r in rep["rows"]} == {"torch"} and rep["triton_skipped"]
+    assert {r["op"] for r in rep["rows"]} == {"combine", "combine_bwd", "dispatch_bwd", "swiglu",
+                                              "swiglu_bwd+dot"}
+    out = tmp_path / "gmm.json"
+    assert main(["bench", "grouped-mm", "--tokens", "8", "--experts", "3", "--hidden", "16",
+                 "--ffn", "8", "--impls", "loop,torch", "--iters", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert {r["impl"] for r in rep["rows"]} == {"loop"} and "torch" in rep["skipped"]
+    assert len(rep["rows"]) == 6 and all(r["ms"] > 0 for r in rep["rows"])
