@@ -68,3 +68,19 @@ def test_triton_grouped_gemm_bf16_on_gpu():
     res = grouped_mm_case("triton", random.randrange(2**31), sizes=(300, 0, 17, 512, 1), K=256,
                           N=384, dtype=torch.bfloat16)
     assert res.ok, res.failures()
+
+
+def test_compile_check_covers_the_aligned_variant():
+    # Triton specialises arguments divisible by 16 at run time; the compile check builds that
+    # variant too (on sm_90 the grouped GEMM's loads then go through cp.async into a deeper
+    # shared-memory pipeline), so its budgets are checked for the code that really runs.
+    from longmoe.ops.kernels.aot import _aligned_attrs, compile_all
+    reports = compile_all("sm_90", only="grouped_mm[bf16]")
+    by = {(r.variant, r.config["where"]): r for r in reports}
+    wheres = {w for _, w in by}
+    assert wheres and all(("grouped_mm[bf16]@aligned", w) in by for w in wheres)
+    assert all(r.ok for r in reports), [(r.variant, r.error) for r in reports if not r.ok]
+    assert any(by[("grouped_mm[bf16]@aligned", w)].shared != by[("grouped_mm[bf16]", w)].shared
+               for w in wheres)
+    sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "BLOCK": "constexpr"}
+    assert set(_aligned_attrs(sig)) == {(0,), (2,), (3,)}  # not the row count M, not constexprs

@@ -137,23 +137,40 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None)
         if only and not name.startswith(only):
             continue
         for where, cfg in _configs_for(table, key, target):
-            rep = CompileReport(key, name, target, {"where": where, **cfg}, ok=False)
             warps = cfg[warps_key] if warps_key in cfg else cfg["num_warps"]
             opts = {"num_warps": warps, **{k: cfg[k] for k in t.launch_keys if k in cfg}}
             if "num_stages" in cfg:
                 opts["num_stages"] = cfg["num_stages"]
-            reports.append(compile_and_check(rep, t, gpu, fn, sig, constexprs(cfg), opts))
+            for aligned in (False, True):
+                rep = CompileReport(key, name + ("@aligned" if aligned else ""), target,
+                                    {"where": where, **cfg}, ok=False)
+                reports.append(compile_and_check(rep, t, gpu, fn, sig, constexprs(cfg), opts,
+                                                 _aligned_attrs(sig) if aligned else None))
     return reports
 
 
+# Integer arguments that the layer's real shapes make multiples of 16 (strides and the model's
+# widths), besides every pointer (fresh torch allocations are 16-byte aligned).
+_ALIGNED_INTS = ("K", "N", "H", "F", "D", "V")
+
+
+def _aligned_attrs(sig: dict) -> dict:
+    """Triton's run-time specialisation for arguments divisible by 16, which changes the code it
+    makes (on sm_90 the grouped GEMM's loads become cp.async only with it): the variant the
+    Qwen-shaped layer runs, compiled beside the generic one."""
+    return {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
+            if sig[k] != "constexpr"
+            and (sig[k].startswith("*") or k.startswith("stride") or k in _ALIGNED_INTS)}
+
+
 def compile_and_check(rep: CompileReport, t, gpu, fn, sig: dict, constexprs: dict,
-                      opts: dict) -> CompileReport:
+                      opts: dict, attrs: dict | None = None) -> CompileReport:
     """Compile one kernel config for target t and fill rep: resources, ok (no spills, within
     the register and shared-memory/LDS budgets) or the error."""
     import triton
     from triton.compiler import ASTSource
     try:
-        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         rep.regs, rep.spills, rep.shared = t.usage(triton.compile(src, target=gpu, options=opts))
         rep.ok = rep.spills == 0 and rep.regs <= t.reg_budget and rep.shared <= t.shared_budget
         if not rep.ok:
