@@ -95,7 +95,7 @@ POINTS = [
           "our H200 run, session 6 (train_path_h200x1_rc_full-full-none-none.json): 98.5 GiB",
           98.5 * GiB, Layout(1, 1, 1, 1, 1), Workload(65536, ep_chunks=1, keep_last=2),
           num_layers=4, assumptions=Assumptions(linear_core="compiled"), within_10=False,
-          note="+21%: the estimate holds both kept layers (a Gated DeltaNet layer's 333 KiB/token "
+          note="+20%: the estimate holds both kept layers (a Gated DeltaNet layer's 333 KiB/token "
                "core set among them) at the start of backward; the run peaked 0.9 GiB above full "
                "recompute. An overestimate: --keep-last auto stops early, never OOM on it"),
     Point("hybrid (compiled core), 2 x H200, 32K",
@@ -113,7 +113,7 @@ POINTS = [
           "74.2 GiB", 74.2 * GiB, Layout(2, 1, 1, 2, 1),
           Workload(65536, ep_chunks=2, keep_last=2), num_layers=4,
           assumptions=Assumptions(linear_core="compiled"), within_10=False,
-          note="+23%, as on one GPU: the estimate holds both kept layers at the start of "
+          note="+21%, as on one GPU: the estimate holds both kept layers at the start of "
                "backward; the run peaked 7.0 GiB above full recompute with 8 chunks. An "
                "overestimate, so --keep-last auto errs on the safe side"),
 ]
