@@ -7,6 +7,7 @@ vendor itself. Each implementation lives in `backends/<vendor>/` and registers i
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,18 @@ class Backend(abc.ABC):
         if key not in cache:
             cache[key] = kernel_config_from(self.data_dir / "kernels.json", kernel, self.arch,
                                             shape_bucket)
-        return dict(cache[key])
+        return {**cache[key], **self.__dict__.get("_kernel_overrides", {}).get(kernel, {})}
+
+    @contextlib.contextmanager
+    def kernel_overrides(self, kernel: str, cfg: dict[str, Any] | None):
+        """Within the block, `kernel`'s config (every bucket) has `cfg`'s keys replaced: the tile
+        sweeps of `longmoe bench` time candidate configs through the same lookup kernels use."""
+        overrides = self.__dict__.setdefault("_kernel_overrides", {})
+        overrides[kernel] = dict(cfg or {})
+        try:
+            yield
+        finally:
+            overrides.pop(kernel, None)
 
     # --- reporting --------------------------------------------------------------------------
     def versions(self) -> dict[str, str | None]:

@@ -88,8 +88,8 @@ def _cmd_bench(a) -> int:
 
 def _cmd_bench_gmm(a) -> int:
     from longmoe.backends import active_backend
-    from longmoe.bench import write_json_and_table
-    from longmoe.bench.grouped_mm import markdown_table, parse_configs, run_bench
+    from longmoe.bench import parse_configs, write_json_and_table
+    from longmoe.bench.grouped_mm import markdown_table, run_bench
     from longmoe.ops.grouped_mm import GROUPED_MM
     impls = a.impls.split(",")
     bad = [i for i in impls if i not in GROUPED_MM.names()]
@@ -107,8 +107,8 @@ def _cmd_bench_gmm(a) -> int:
 
 def _cmd_bench_rows(a) -> int:
     from longmoe.backends import active_backend
-    from longmoe.bench import write_json_and_table
-    from longmoe.bench.moe_rows import markdown_table, parse_configs, run_bench
+    from longmoe.bench import parse_configs, write_json_and_table
+    from longmoe.bench.moe_rows import markdown_table, run_bench
     try:
         configs = parse_configs(a.configs)
     except ValueError as e:

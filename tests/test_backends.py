@@ -286,3 +286,13 @@ def test_versions_never_import_megatron():
             "print(any(m.startswith('megatron') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_kernel_overrides_apply_inside_the_block_only():
+    from longmoe.backends import get_backend
+    be = get_backend("cpu")
+    base = be.kernel_config("moe_rows")
+    with be.kernel_overrides("moe_rows", {"BLOCK_H": 8}):
+        assert be.kernel_config("moe_rows") == {**base, "BLOCK_H": 8}
+        assert "BLOCK_H" not in be.kernel_config("grouped_gemm")  # other kernels untouched
+    assert be.kernel_config("moe_rows") == base

@@ -12,14 +12,14 @@ Legend: T tokens, K top-k, M = T*K rows, L experts on the rank, H hidden, F expe
 from __future__ import annotations
 
 import datetime
-import json
-import statistics
 
 import torch
 
+from longmoe.bench import median_ms
+
 
 def _cases(M, L, H, F, device, dtype, g):
-    from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm, grouped_mm_wgrad
+    from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
     sizes = torch.multinomial(torch.ones(L), M, replacement=True, generator=g).bincount(
         minlength=L).tolist()
     x = torch.randn(M, H, device=device, dtype=dtype)
@@ -31,12 +31,11 @@ def _cases(M, L, H, F, device, dtype, g):
     offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
 
     def mm(inp, w):
-        return lambda impl: GROUPED_MM._impls[impl].fn(inp, w, sizes, offs)
+        return lambda impl: grouped_mm(inp, w, sizes, offs, impl=impl)
 
     def wg(inp, dy, w):
         return lambda impl: grouped_mm_wgrad(inp, dy, sizes, w, impl, offs)
-    assert grouped_mm  # the registry's entry point; the bench calls implementations directly
-    return sizes, {
+    return {
         "up (x W_in)": (mm(x, w_in), 2 * M * H * 2 * F),
         "down (a W_out)": (mm(a, w_out), 2 * M * F * H),
         "dgrad down (gy W_out^T)": (mm(gy, w_out.transpose(1, 2)), 2 * M * H * F),
@@ -56,50 +55,24 @@ def run_bench(tokens, top_k, experts, hidden, ffn, dtype, impls, configs, iters,
     rows, skipped = [], {}
     for T in tokens:
         g = torch.Generator().manual_seed(T)
-        sizes, ops = _cases(T * top_k, experts, hidden, ffn, dev, dt, g)
+        ops = _cases(T * top_k, experts, hidden, ffn, dev, dt, g)
         for impl in impls:
             why = GROUPED_MM.why_not(impl, probe, probe.view(1, 16, 16), [16])
             if why:
                 skipped[impl] = why
                 continue
             for cfg in (configs if impl == "triton" else [{}]):
-                _set_override(cfg if impl == "triton" else None)
-                try:
+                with backend.kernel_overrides("grouped_gemm", cfg):
                     for name, (fn, flops) in ops.items():
-                        for _ in range(2):
-                            fn(impl)
-                        backend.synchronize()
-                        times = []
-                        for _ in range(iters):
-                            with backend.timer() as t:
-                                fn(impl)
-                            times.append(t.elapsed_ms)
-                        ms = statistics.median(times)
+                        ms = median_ms(backend, lambda: fn(impl), iters)
                         rows.append({"T": T, "op": name, "impl": impl, "config": cfg or None,
                                      "ms": ms, "tflops": flops / ms / 1e9})
-                finally:
-                    _set_override(None)
         del ops
     return {"bench": "grouped-mm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": backend.probe().get("device_name") or backend.name, "backend": backend.name,
             "versions": backend.versions(), "skipped": skipped,
             "shape": {"top_k": top_k, "experts": experts, "hidden": hidden, "moe_ffn": ffn,
                       "dtype": dtype}, "rows": rows}
-
-
-def _set_override(cfg):
-    """Tile overrides for the Triton implementation: patch the backend's lookup for the run."""
-    from longmoe.backends import active_backend
-    be = active_backend()
-    if cfg is None:
-        be.__dict__.pop("kernel_config", None)
-        return
-    base = type(be).kernel_config
-
-    def patched(kernel, bucket=None, _base=base, _be=be):
-        out = _base(_be, kernel, bucket)
-        return {**out, **cfg} if kernel == "grouped_gemm" else out
-    be.kernel_config = patched
 
 
 def markdown_table(report: dict) -> str:
@@ -109,12 +82,3 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['T']} | {r['op']} | {r['impl']} | {cfg} | {r['ms']:.3f} | "
                      f"{r['tflops']:.0f} |")
     return "\n".join(lines)
-
-
-def parse_configs(text):
-    if not text:
-        return [{}]
-    cfgs = json.loads(text)
-    if not isinstance(cfgs, list) or not all(isinstance(c, dict) for c in cfgs):
-        raise ValueError("must be a JSON list of objects")
-    return cfgs

@@ -11,10 +11,10 @@ Legend: T tokens, K top-k, A = T*K rows, H hidden, F expert FFN.
 from __future__ import annotations
 
 import datetime
-import json
-import statistics
 
 import torch
+
+from longmoe.bench import median_ms
 
 
 def _ops(T, K, H, F, device, dtype, g):
@@ -43,7 +43,7 @@ def _ops(T, K, H, F, device, dtype, g):
 
 def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device) -> dict:
     from longmoe.backends import get_backend
-    from longmoe.ops.moe_rows import MOE_ROWS, TritonRows
+    from longmoe.ops.moe_rows import MOE_ROWS
     backend = get_backend(device)
     dev = backend.device(0)
     dt = getattr(torch, dtype)
@@ -55,19 +55,8 @@ def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device) -> dict
         ops = _ops(T, top_k, hidden, ffn, dev, dt, g)
         for name, (fn, nbytes) in ops.items():
             for impl, cfg in impls:
-                TritonRows.override = cfg
-                try:
-                    for _ in range(2):
-                        fn(impl)
-                    backend.synchronize()
-                    times = []
-                    for _ in range(iters):
-                        with backend.timer() as t:
-                            fn(impl)
-                        times.append(t.elapsed_ms)
-                finally:
-                    TritonRows.override = None
-                ms = statistics.median(times)
+                with backend.kernel_overrides("moe_rows", cfg):
+                    ms = median_ms(backend, lambda: fn(impl), iters)
                 rows.append({"T": T, "op": name, "impl": impl, "config": cfg, "ms": ms,
                              "least_bytes": nbytes, "GBps": nbytes / ms / 1e6})
         del ops
@@ -86,13 +75,3 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['T']} | {r['op']} | {r['impl']} | {cfg} | {r['ms']:.3f} | "
                      f"{r['GBps']:.0f} |")
     return "\n".join(lines)
-
-
-def parse_configs(text: str | None) -> list[dict]:
-    """--configs: a JSON list of tile overrides; none means the shipped table's config only."""
-    if not text:
-        return [{}]
-    cfgs = json.loads(text)
-    if not isinstance(cfgs, list) or not all(isinstance(c, dict) for c in cfgs):
-        raise ValueError("must be a JSON list of objects")
-    return cfgs

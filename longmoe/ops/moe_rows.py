@@ -69,16 +69,12 @@ class TorchRows:
 
 
 class TritonRows:
-    """ops/kernels/moe_rows.py with the active backend's tiles (or `override`'s, which the
-    config sweep of `longmoe bench moe-rows` sets)."""
-
-    override: dict | None = None
+    """ops/kernels/moe_rows.py with the active backend's tiles."""
 
     @staticmethod
     def _cfg():
         from longmoe.backends import active_backend
-        cfg = active_backend().kernel_config("moe_rows")
-        return {**cfg, **TritonRows.override} if TritonRows.override else cfg
+        return active_backend().kernel_config("moe_rows")
 
     @staticmethod
     def gather_sum(src, idx, w, K, out, accumulate):

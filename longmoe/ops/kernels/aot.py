@@ -156,8 +156,8 @@ _ALIGNED_INTS = ("K", "N", "H", "F", "D", "V")
 
 def _aligned_attrs(sig: dict) -> dict:
     """Triton's run-time specialisation for arguments divisible by 16, which changes the code it
-    makes (on sm_90 the grouped GEMM's loads become cp.async only with it): the variant the
-    Qwen-shaped layer runs, compiled beside the generic one."""
+    makes (the grouped GEMM's loads become asynchronous copies only with it on some targets): the
+    variant the Qwen-shaped layer runs, compiled beside the generic one."""
     return {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
             if sig[k] != "constexpr"
             and (sig[k].startswith("*") or k.startswith("stride") or k in _ALIGNED_INTS)}
