@@ -155,10 +155,14 @@ def _cmd_bench_moe(a) -> int:
     if a.rows_impl not in ("auto", *MOE_ROWS.names()):
         raise UserError(f"--rows-impl: must be auto, {', '.join(MOE_ROWS.names())}; "
                         f"got {a.rows_impl!r}")
+    from longmoe.parallel.moe_pipeline import WGRAD
+    if a.wgrad not in WGRAD:
+        raise UserError(f"--wgrad: must be one of {', '.join(WGRAD)}, got {a.wgrad!r}")
     report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
                        trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
-                       chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl)
+                       chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl,
+                       wgrad=a.wgrad)
     write_report(report, a.out)
     return 0
 
@@ -265,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "all-to-all token dispatcher (GPUs)")
     bm.add_argument("--rows-impl", default="auto",
                     help="the layer's row kernels (combine, SwiGLU): auto, triton or torch")
+    bm.add_argument("--wgrad", default="auto",
+                    help="the pipeline's weight gradients: auto (inside each chunk's step where "
+                         "it owns its experts) or delayed (all at the end of the layer)")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")

@@ -9,20 +9,26 @@ from longmoe.paired.dist_cases import ep_case
 from longmoe.parallel.expert_parallel import chunk_bounds, source_major_to_expert_major
 
 
-@pytest.mark.parametrize("nproc,T,chunks,top_k,skew,by", [
-    (2, 37, 3, 2, False, "tokens"),   # chunk count that does not divide the tokens
-    (1, 37, 4, 2, False, "tokens"),   # the pipeline on one rank (local all-to-alls), as on 1 GPU
-    (2, 29, 1, 1, True, "tokens"),    # top-1, one expert takes every token, others get none
-    (4, 11, 2, 2, True, "tokens"),    # 4 ranks; two ranks' experts receive nothing
-    (4, 9, 9, 3, False, "tokens"),    # one token per chunk
-    (2, 37, 3, 2, False, "experts"),  # 3 chunks of 4 local experts (not dividing them)
-    (1, 37, 8, 3, False, "experts"),  # one rank, one expert per chunk
-    (2, 29, 4, 1, True, "experts"),   # top-1, skewed: chunks and experts with no rows
-    (4, 11, 2, 2, True, "experts"),   # 4 ranks of 2 experts, one chunk each
+# wgrad "auto" runs each chunk's weight gradient right after its dgrad for expert chunks and for
+# one chunk, "delayed" runs them all at the end; token chunks with C > 1 are always delayed.
+@pytest.mark.parametrize("nproc,T,chunks,top_k,skew,by,wgrad", [
+    (2, 37, 3, 2, False, "tokens", "auto"),   # chunk count that does not divide the tokens
+    (1, 37, 4, 2, False, "tokens", "auto"),   # the pipeline on one rank (local all-to-alls)
+    (2, 29, 1, 1, True, "tokens", "auto"),    # top-1, one expert takes every token, others none
+    (2, 29, 1, 1, True, "tokens", "delayed"),
+    (4, 11, 2, 2, True, "tokens", "auto"),    # 4 ranks; two ranks' experts receive nothing
+    (4, 9, 9, 3, False, "tokens", "auto"),    # one token per chunk
+    (2, 37, 3, 2, False, "experts", "auto"),  # 3 chunks of 4 local experts (not dividing them)
+    (2, 37, 3, 2, False, "experts", "delayed"),
+    (1, 37, 8, 3, False, "experts", "auto"),  # one rank, one expert per chunk
+    (2, 29, 4, 1, True, "experts", "auto"),   # top-1, skewed: chunks and experts with no rows
+    (2, 29, 4, 1, True, "experts", "delayed"),
+    (4, 11, 2, 2, True, "experts", "auto"),   # 4 ranks of 2 experts, one chunk each
 ])
-def test_ep_matches_one_process(nproc, T, chunks, top_k, skew, by):
+def test_ep_matches_one_process(nproc, T, chunks, top_k, skew, by, wgrad):
     seed = random.randrange(2**31)
-    res = ep_case(nproc, seed, T=T, chunks=chunks, top_k=top_k, skew=skew, chunk_by=by)
+    res = ep_case(nproc, seed, T=T, chunks=chunks, top_k=top_k, skew=skew, chunk_by=by,
+                  wgrad=wgrad)
     assert res.ok, (seed, res.failures())
     if skew:
         load = res.info["tokens_per_expert"]

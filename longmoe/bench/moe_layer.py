@@ -138,6 +138,7 @@ def _rank(rank, world, backend, spec):
                     moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
                                                       pipeline=world == 1, chunk_by=by)
                     moe.dispatcher.rows_impl = spec["rows_impl"]
+                    moe.dispatcher.wgrad = spec["wgrad"]
                     ms, peak = _timed(backend, step, spec["iters"])
                     rows_out.append({**base, "kind": "layer", "chunks": C, "ms": ms,
                                      "peak_bytes": peak, "chunk_by": by})
@@ -239,7 +240,7 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
               smoke=False, chunk_by="experts", baseline: str | None = None,
-              rows_impl: str = "auto") -> dict:
+              rows_impl: str = "auto", wgrad: str = "auto") -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -251,11 +252,11 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
             "transports": transports, "priorities": priorities, "iters": iters,
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
             "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline,
-            "rows_impl": rows_impl}
+            "rows_impl": rows_impl, "wgrad": wgrad}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
-        "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl,
+        "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl, "wgrad": wgrad,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
         "backend": backend.name, "versions": backend.versions(),

@@ -53,7 +53,7 @@ def _run_layer(moe: MoE, x, c):
 
 
 def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, chunk_by,
-             rows_impl="auto"):
+             rows_impl="auto", wgrad="auto"):
     cfg = model_from_dict(cfg_dict)
     moe = MoE(cfg, ep_rank=rank, ep_size=world)
     init_params(moe, cfg, seed)
@@ -66,6 +66,7 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, c
                                       streams=backend.streams(), pipeline=True,
                                       chunk_by=chunk_by)
     moe.dispatcher.rows_impl = moe.experts.rows_impl = rows_impl
+    moe.dispatcher.wgrad = wgrad
     moe.batch_group = dist.group.WORLD
     x, c = _layer_inputs(cfg, seed, rank, T, skew)
     out = _run_layer(moe, x.to(dev), c.to(dev))
@@ -74,13 +75,14 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, c
 
 
 def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
-            device="cpu", transport="auto", chunk_by="experts", rows_impl="auto") -> PairedResult:
+            device="cpu", transport="auto", chunk_by="experts", rows_impl="auto",
+            wgrad="auto") -> PairedResult:
     """`device` names the backend the ranks run on ("cpu", "cuda", "rocm"); the reference is
     always one CPU process in fp32 with the eager row ops and the loop grouped GEMM. The ranks
     always run the chunk pipeline (with nproc=1 too, where its all-to-alls are local)."""
     cfg = get_preset("tiny").replace(top_k=top_k, num_experts=num_experts, router_aux_loss_coef=1e-2)
     ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew, transport,
-                      chunk_by, rows_impl, device=device)
+                      chunk_by, rows_impl, wgrad, device=device)
     ref_moe = MoE(cfg)
     init_params(ref_moe, cfg, seed)
     ref_moe.dispatcher.rows_impl = ref_moe.experts.rows_impl = "torch"
@@ -89,7 +91,8 @@ def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
         _skew_router(ref_moe, cfg, seed)
     inputs = [_layer_inputs(cfg, seed, r, T, skew) for r in range(nproc)]
     ref = _run_layer(ref_moe, torch.cat([x for x, _ in inputs], 1), torch.cat([c for _, c in inputs], 1))
-    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}-{device}-{transport}-rows:{rows_impl}",
+    res = PairedResult("ep", f"ep{nproc}-chunks{chunks}-{device}-{transport}-rows:{rows_impl}"
+                       f"-wgrad:{wgrad}",
                        "one-process",
                        TOLERANCE[torch.float32],
                        info={"T_per_rank": T, "top_k": top_k, "skew": skew, "experts": num_experts})

@@ -214,6 +214,9 @@ class ExpertDispatcher:
         # which measures what chunking itself costs on a single device.
         self.pipeline = pipeline
         self.rows_impl = "auto"  # the combine/dispatch-gradient row kernels (ops/moe_rows.py)
+        # "auto": each chunk's weight gradient right after its dgrad where it writes only its own
+        # experts' slice; "delayed": all at the end of the layer (moe_pipeline.py).
+        self.wgrad = "auto"
 
     def __call__(self, x_TH, idx_TK, w_TK, experts, fill=None) -> torch.Tensor:
         """Routed expert output for x_TH, plus `fill()` (e.g. the shared expert) when given,
@@ -228,7 +231,8 @@ class ExpertDispatcher:
             return y if fill is None else y + fill()
         from longmoe.parallel.moe_pipeline import ChunkPipeline
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group, self.chunk_by)
-        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams, self.rows_impl)
+        pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams, self.rows_impl,
+                             self.wgrad)
         w_A = w_TK.reshape(-1)[plan.order_A]
         y_partial = experts(x_TH, pipe, w_A)
         return pipe.finish(y_partial, fill() if fill is not None else torch.zeros_like(y_partial))

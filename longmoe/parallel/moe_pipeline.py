@@ -12,13 +12,21 @@ order, run serially):
 Dispatch of chunk c+2 is issued behind the combine of chunk c, so while chunk c+1's expert GEMMs
 run, the comm stream carries the combine of c and the dispatch of c+2. The backward mirrors it:
 gradient dispatch of chunk c+2 and the dgrad combine of chunk c run under chunk c+1's dgrad GEMMs.
-Weight gradients are delayed to the end: each chunk's dgrad writes its operands into chunk-major
-buffers (the forward's expert inputs already sit in one); at the end both operands of each weight
-are gathered into expert-major order and one grouped GEMM per weight (a group per expert, all
-chunks' rows deep) runs under the last chunk's combine. Per-chunk wgrads would each write a
-weight-sized tensor (0.75 ms per chunk and weight for 128 local experts on an H200), and so would a
-(chunk, expert)-grouped GEMM's C partials plus their sum; scattering rows into an expert-major
-layout as each chunk finishes (index_put) ran at a third of copy bandwidth, the gather at full.
+
+Weight gradients (wgrad="auto"): where a chunk's experts are its own (expert chunks, or a single
+chunk), its weight gradients run inside its step, each as soon as its operands exist: dW_out
+right after the SwiGLU backward (so dY's rows and the SwiGLU output are freed before dX's rows
+are made), dW_in after dX's rows are handed to the combine, under it. A chunk's operands then
+live for one chunk, not the layer, and every chunk's compute grows by its wgrad, which the comm
+stream's all-to-alls run beside. Token chunks share every expert, so their weight gradients are
+delayed to the end (and so are expert chunks' with wgrad="delayed"): each chunk's dgrad writes
+its operands into chunk-major buffers (the forward's expert inputs already sit in one); at the
+end both operands of each weight are gathered into expert-major order and one grouped GEMM per
+weight (a group per expert, all chunks' rows deep) runs under the last chunk's combine.
+Per-chunk wgrads of token chunks would each write a weight-sized tensor (0.75 ms per chunk and
+weight for 128 local experts on an H200), and so would a (chunk, expert)-grouped GEMM's C
+partials plus their sum; scattering rows into an expert-major layout as each chunk finishes
+(index_put) ran at a third of copy bandwidth, the gather at full.
 
 A chunk is a range of each rank's local experts (plan.expert_bounds: every token's assignments to
 them; its GEMMs read only those experts' weights) or a token range. Combines never use atomics:
@@ -42,15 +50,26 @@ from longmoe.parallel.expert_parallel import (RoutePlan, inverse_permutation,
                                               source_major_to_expert_major)
 
 
+WGRAD = ("auto", "delayed")
+
+
 class ChunkPipeline:
     """One layer's route plan plus how to move rows (transport) and order work (streams)."""
 
     def __init__(self, plan: RoutePlan, top_k: int, group, transport, streams,
-                 rows_impl: str = "auto"):
+                 rows_impl: str = "auto", wgrad: str = "auto"):
+        if wgrad not in WGRAD:
+            raise ValueError(f"wgrad must be one of {', '.join(WGRAD)}, got {wgrad!r}")
         self.plan, self.top_k, self.group = plan, top_k, group
         self.transport, self.streams = transport, streams
         self.rows_impl = rows_impl  # the gather/SwiGLU row kernels (ops/moe_rows.py)
+        self.wgrad = wgrad
         self._metas = None
+
+    def wgrad_in_chunks(self) -> bool:
+        """Whether each chunk's weight gradient runs right after its dgrad (it writes only its
+        own experts' slice: expert chunks, or one chunk) rather than once at the end."""
+        return self.wgrad == "auto" and (self.by_experts or len(self.plan.bounds) == 1)
 
     def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
         """The routed output without the last chunk's combine, which is left in flight: call
@@ -167,6 +186,13 @@ def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
                             impl, offs)
 
 
+def _zero_slice(dw, w, ex):
+    if dw is None:
+        return torch.zeros_like(w)
+    dw[ex] = 0
+    return dw
+
+
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_A, w_in, w_out, pipe: ChunkPipeline, impl):
@@ -246,15 +272,23 @@ class _PipelinedExperts(torch.autograd.Function):
         gw_A = torch.empty(w_A.shape, dtype=acc, device=w_A.device)
         gw_mark = None
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
-        gx_A = g_TH.new_empty((plan.order_A.numel(), H))
         recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
-        # The weight-gradient operands of all chunks, chunk-major, written in place as each
-        # chunk's dgrad produces them; the wgrad itself is delayed to the end of the layer.
         rs = pipe.row_slices()
-        gy_all = g_TH.new_empty((rs[-1].stop, H))
-        gh_all = g_TH.new_empty((rs[-1].stop, w_in.shape[2]))
-        a_all = g_TH.new_empty((rs[-1].stop, w_out.shape[1]))
+        by_e, now = pipe.by_experts, pipe.wgrad_in_chunks()
+        # Combined dX rows: expert chunks return a token's rows over several chunks, so one
+        # buffer for the layer (allocated at the first combine); token chunks one per chunk,
+        # dropped once reduced into the chunk's tokens.
+        gx_A = [None] * C
+        if now:  # each chunk's weight gradient right after its dgrad, into its experts' slice
+            dw_in = torch.empty_like(w_in) if C > 1 else None
+            dw_out = torch.empty_like(w_out) if C > 1 else None
+        else:
+            # Delayed: every chunk's operands, chunk-major, written in place as each chunk's
+            # dgrad produces them; one weight-gradient GEMM per weight at the end of the layer.
+            gy_all = g_TH.new_empty((rs[-1].stop, H))
+            gh_all = g_TH.new_empty((rs[-1].stop, w_in.shape[2]))
+            a_all = g_TH.new_empty((rs[-1].stop, w_out.shape[1]))
 
         def dispatch(c):
             pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
@@ -262,45 +296,76 @@ class _PipelinedExperts(torch.autograd.Function):
         def accumulate(c):
             st.compute_waits(c_mark[c])
             s, e = plan.bounds[c]
-            gather_sum(gx_A[slice(*pipe.arange(c))], metas[c][3], None, K, out=gx_TH[s:e],
-                       impl=pipe.rows_impl)
+            gather_sum(gx_A[c], metas[c][3], None, K, out=gx_TH[s:e], impl=pipe.rows_impl)
+            gx_A[c] = None
+
+        def combine_buffer(c):
+            a0, a1 = pipe.arange(c)
+            if not by_e:
+                gx_A[c] = g_TH.new_empty((a1 - a0, H))
+                return gx_A[c]
+            if gx_A[0] is None:
+                gx_A[0] = g_TH.new_empty((plan.order_A.numel(), H))
+            return gx_A[0][a0:a1]
+
+        def wgrad_into(dw, c, ex, x, dy, w, rows, offs):
+            d = grouped_mm_wgrad(x, dy, rows, w[ex], impl, offs)
+            if dw is None:
+                return d
+            dw[ex] = d
+            return dw
 
         for c in range(min(2, C)):
             if d_mark[c] is None and recv[c] is None:
                 dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            gy, gh, a = gy_all[rs[c]], gh_all[rs[c]], a_all[rs[c]]
-            torch.index_select(recv[c], 0, metas[c][1], out=gy)
-            recv[c] = None
             ex = pipe.experts(c)
             rows, offs = plan.expert_rows[c][ex], plan.offs[c][ex]
             a0, a1 = pipe.arange(c)
+            if now:
+                gy, gh, a = recv[c].index_select(0, metas[c][1]), None, None
+            else:
+                gy, gh, a = gy_all[rs[c]], gh_all[rs[c]], a_all[rs[c]]
+                torch.index_select(recv[c], 0, metas[c][1], out=gy)
+            recv[c] = None
             if gy.shape[0]:
                 ga = grouped_mm(gy, w_out_t[ex], rows, offs, impl=impl)      # dgrad
                 # Router weights: dL/dw = <g, y> with y = a W_out the expert's output. On the
                 # expert side gy = w g, so <gy, a W_out> = <gy W_out^T, a> = <ga, a> = w <g, y>:
                 # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y
                 # (with the Triton rows kernels, in the SwiGLU backward's own pass).
-                _, _, gw_e = swiglu_backward(hs[c], ga, out=(gh, a), with_dot=True,
-                                             impl=pipe.rows_impl)
+                gh, a, gw_e = swiglu_backward(hs[c], ga, out=None if now else (gh, a),
+                                              with_dot=True, impl=pipe.rows_impl)
+                ga = None
+                if now:  # dW_out now: gy and a are dead before dX's rows are allocated
+                    dw_out = wgrad_into(dw_out, c, ex, a, gy, w_out, rows, offs)
+                    gy = a = None
                 gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
             else:
                 gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
-            c_mark[c] = pipe.a2a(gx_A[a0:a1], gxg[metas[c][2]], c, reverse=True)
+                if now:  # no rows for these experts on this rank: their gradients are zero
+                    dw_out, dw_in = _zero_slice(dw_out, w_out, ex), _zero_slice(dw_in, w_in, ex)
+            send = gxg[metas[c][2]]
+            gxg = None  # only its gathered copy travels
+            c_mark[c] = pipe.a2a(combine_buffer(c), send, c, reverse=True)
             gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
-            gxg = ga = gw_e = None  # sent as gathered copies; free before the next chunk or wgrad
+            send = gw_e = None
+            if now and gh is not None:  # dW_in under this chunk's combine
+                dw_in = wgrad_into(dw_in, c, ex, xg_all[rs[c]], gh, w_in, rows, offs)
+            gh = None
             if c + 2 < C:
                 dispatch(c + 2)
-            if c and not pipe.by_experts:
+            if c and not by_e:
                 accumulate(c - 1)
-        # The layer's weight gradients run under the last chunk's combine.
-        dw_out = _chunked_wgrad(a_all, gy_all, pipe, w_out, impl)
-        del a_all, gy_all
-        dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
-        if pipe.by_experts:  # each token's dX rows came back over several chunks: sum them now
+        if not now:  # the layer's weight gradients run under the last chunk's combine
+            dw_out = _chunked_wgrad(a_all, gy_all, pipe, w_out, impl)
+            del a_all, gy_all
+            dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
+            del gh_all
+        if by_e:  # each token's dX rows came back over several chunks: sum them now
             st.compute_waits(c_mark[C - 1])
-            gather_sum(gx_A, pipe.tk_all, None, K, out=gx_TH, impl=pipe.rows_impl)
+            gather_sum(gx_A[0], pipe.tk_all, None, K, out=gx_TH, impl=pipe.rows_impl)
         else:
             accumulate(C - 1)
         st.compute_waits(gw_mark)
