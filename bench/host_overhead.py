@@ -21,6 +21,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--chunks", default="1,4,8")
     ap.add_argument("--rows-impl", default="auto")
+    ap.add_argument("--wgrad", default="auto", help="the pipeline's weight-gradient schedule")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="also print the device kernels of the largest C (torch.profiler)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -49,6 +52,7 @@ def main():
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, C, transport=be.a2a("auto", dev),
                                           streams=be.streams(), pipeline=True)
         moe.dispatcher.rows_impl = a.rows_impl
+        moe.dispatcher.wgrad = a.wgrad
         for _ in range(3):
             step()
         be.synchronize()
@@ -61,7 +65,8 @@ def main():
                 host.append((time.perf_counter() - t0) * 1e3)
             dev_ms.append(t.elapsed_ms)
         row = {"T": a.tokens, "chunks": C, "host_ms": statistics.median(host),
-               "wall_ms": statistics.median(dev_ms), "rows_impl": a.rows_impl}
+               "wall_ms": statistics.median(dev_ms), "rows_impl": a.rows_impl,
+               "wgrad": a.wgrad}
         print(json.dumps(row), flush=True)
         out.append(row)
     pr = cProfile.Profile()
@@ -73,10 +78,20 @@ def main():
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
     print(s.getvalue()[-6000:])
+    ops = None
+    if a.profile_ops:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            be.synchronize()
+        ops = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
+        print(ops)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": be.probe().get("device_name"), "versions": be.versions(),
-                       "rows": out, "profile_top": s.getvalue()[-6000:]}, f, indent=1)
+                       "rows": out, "profile_top": s.getvalue()[-6000:],
+                       "device_ops_5_steps": ops}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,16 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, sizes: list[int],
                      offs: torch.Tensor | None = None) -> torch.Tensor:
     """dW[g] = x_g^T @ dy_g: the weight gradient of grouped_mm(x, w, sizes), computed by the same
     implementation the forward would pick for w (`impl`), in w's dtype."""
-    name = GROUPED_MM.select(impl, x_MK, w_GKN, sizes).name
-    if x_MK.shape[0] == 0:
-        return w_GKN.new_zeros(w_GKN.shape)
-    return _WGRAD[name](x_MK, dy_MN, sizes, offs).to(w_GKN.dtype)
+    return wgrad_fn(impl, x_MK, w_GKN, sizes)(x_MK, dy_MN, sizes, w_GKN, offs)
+
+
+def wgrad_fn(impl: str, x_MK: torch.Tensor, w_GKN: torch.Tensor, sizes: list[int]):
+    """grouped_mm_wgrad with the implementation chosen once, for a schedule that calls it per
+    chunk on operands of the same kind (the choice depends on device, dtype and widths only)."""
+    fn = _WGRAD[GROUPED_MM.select(impl, x_MK, w_GKN, sizes).name]
+
+    def run(x, dy, sizes, w, offs=None):
+        if x.shape[0] == 0:
+            return w.new_zeros(w.shape)
+        return fn(x, dy, sizes, offs).to(w.dtype)
+    return run

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
+from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad, wgrad_fn
 from longmoe.ops.moe_rows import gather_scale, gather_sum, swiglu_backward, swiglu_forward
 from longmoe.parallel.expert_parallel import (RoutePlan, inverse_permutation,
                                               source_major_to_expert_major)
@@ -308,8 +308,13 @@ class _PipelinedExperts(torch.autograd.Function):
                 gx_A[0] = g_TH.new_empty((plan.order_A.numel(), H))
             return gx_A[0][a0:a1]
 
-        def wgrad_into(dw, c, ex, x, dy, w, rows, offs):
-            d = grouped_mm_wgrad(x, dy, rows, w[ex], impl, offs)
+        if now:  # the GEMM implementation chosen once per weight, not per chunk (host time)
+            L = w_in.shape[0]
+            wg_in = wgrad_fn(impl, xg_all[:0], w_in, [0] * L)
+            wg_out = wgrad_fn(impl, xg_all.new_empty((0, w_out.shape[1])), w_out, [0] * L)
+
+        def wgrad_into(dw, ex, x, dy, w, rows, offs):
+            d = (wg_in if w is w_in else wg_out)(x, dy, rows, w[ex], offs)
             if dw is None:
                 return d
             dw[ex] = d
@@ -339,7 +344,7 @@ class _PipelinedExperts(torch.autograd.Function):
                                               with_dot=True, impl=pipe.rows_impl)
                 ga = None
                 if now:  # dW_out now: gy and a are dead before dX's rows are allocated
-                    dw_out = wgrad_into(dw_out, c, ex, a, gy, w_out, rows, offs)
+                    dw_out = wgrad_into(dw_out, ex, a, gy, w_out, rows, offs)
                     gy = a = None
                 gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
             else:
@@ -352,7 +357,7 @@ class _PipelinedExperts(torch.autograd.Function):
             gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
             send = gw_e = None
             if now and gh is not None:  # dW_in under this chunk's combine
-                dw_in = wgrad_into(dw_in, c, ex, xg_all[rs[c]], gh, w_in, rows, offs)
+                dw_in = wgrad_into(dw_in, ex, xg_all[rs[c]], gh, w_in, rows, offs)
             gh = None
             if c + 2 < C:
                 dispatch(c + 2)
