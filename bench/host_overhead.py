@@ -26,7 +26,9 @@ def main():
                     help="also print the device kernels of the largest C (torch.profiler)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out")
+    ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")
     a = ap.parse_args()
+    torch.set_float32_matmul_precision(a.fp32_matmul)
     from longmoe.config import get_preset
     from longmoe.model.moe import MoE
     from longmoe.model.transformer import init_params

@@ -24,7 +24,9 @@ def main():
     ap.add_argument("--wgrad", default="auto,delayed")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")
     a = ap.parse_args()
+    torch.set_float32_matmul_precision(a.fp32_matmul)
     from longmoe.backends import active_backend
     from longmoe.config import get_preset
     from longmoe.model.moe import MoE

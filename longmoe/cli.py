@@ -155,6 +155,8 @@ def _cmd_bench_moe(a) -> int:
     if a.rows_impl not in ("auto", *MOE_ROWS.names()):
         raise UserError(f"--rows-impl: must be auto, {', '.join(MOE_ROWS.names())}; "
                         f"got {a.rows_impl!r}")
+    if a.fp32_matmul not in (None, "high", "highest"):
+        raise UserError(f"--fp32-matmul: must be high or highest, got {a.fp32_matmul!r}")
     from longmoe.parallel.moe_pipeline import WGRAD
     if a.wgrad not in WGRAD:
         raise UserError(f"--wgrad: must be one of {', '.join(WGRAD)}, got {a.wgrad!r}")
@@ -272,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--wgrad", default="auto",
                     help="the pipeline's weight gradients: auto (inside each chunk's step where "
                          "it owns its experts) or delayed (all at the end of the layer)")
+    bm.add_argument("--fp32-matmul", help="fp32 GEMM precision on GPUs (the router's): high "
+                                          "(TF32) or highest; default: the trainer's "
+                                          "impl.fp32_matmul")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")

@@ -35,6 +35,19 @@ def test_ep_matches_one_process(nproc, T, chunks, top_k, skew, by, wgrad):
         assert sum(1 for n in load if n == 0) >= 8 - 2 * top_k  # experts with zero tokens happened
 
 
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("wgrad", ["auto", "delayed"])
+def test_ep_pipeline_on_one_gpu(wgrad):
+    # The pipeline on one GPU rank (local all-to-alls, real streams), both weight-gradient
+    # schedules: expert chunks, one chunk, token chunks, top-1 skewed with experts left empty.
+    seed = random.randrange(2**31)
+    for C, by, k, skew in [(4, "experts", 2, False), (1, "experts", 2, False),
+                           (3, "tokens", 2, False), (4, "experts", 1, True)]:
+        res = ep_case(1, seed, T=301, chunks=C, top_k=k, skew=skew, device="cuda", chunk_by=by,
+                      wgrad=wgrad)
+        assert res.ok, (seed, C, by, res.failures())
+
+
 @pytest.mark.needs_multi_gpu
 @pytest.mark.parametrize("transport", ["process_group", "symmetric_memory"])
 def test_ep_pipeline_on_two_gpus(transport):

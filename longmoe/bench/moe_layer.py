@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from longmoe.bench import write_json_and_table
 from longmoe.config import from_dict as model_from_dict, get_preset
+from longmoe.train.config import ImplConfig
 
 
 def _timed(backend, fn, iters: int, warmup: int = 2):
@@ -101,6 +102,8 @@ def _rank(rank, world, backend, spec):
     cfg = model_from_dict(spec["model"])
     dtype = getattr(torch, spec["dtype"])
     device = backend.device(rank)
+    if backend.device_type != "cpu":  # as the trainer does (impl.fp32_matmul): the router's GEMMs
+        torch.set_float32_matmul_precision(spec["fp32_matmul"])
     moe = _layer(cfg, rank, world, backend, dtype)
     moe.experts.rows_impl = spec["rows_impl"]
     H, E, K = cfg.hidden_size, cfg.num_experts, cfg.top_k
@@ -240,7 +243,8 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
               smoke=False, chunk_by="experts", baseline: str | None = None,
-              rows_impl: str = "auto", wgrad: str = "auto") -> dict:
+              rows_impl: str = "auto", wgrad: str = "auto",
+              fp32_matmul: str | None = None) -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -252,11 +256,13 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
             "transports": transports, "priorities": priorities, "iters": iters,
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
             "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline,
-            "rows_impl": rows_impl, "wgrad": wgrad}
+            "rows_impl": rows_impl, "wgrad": wgrad,
+            "fp32_matmul": fp32_matmul or ImplConfig().fp32_matmul}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
         "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl, "wgrad": wgrad,
+        "fp32_matmul": spec["fp32_matmul"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
         "backend": backend.name, "versions": backend.versions(),
