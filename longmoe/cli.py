@@ -164,7 +164,7 @@ def _cmd_bench_moe(a) -> int:
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
                        trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
                        chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl,
-                       wgrad=a.wgrad)
+                       wgrad=a.wgrad, fp32_matmul=a.fp32_matmul)
     write_report(report, a.out)
     return 0
 

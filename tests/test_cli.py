@@ -295,6 +295,9 @@ def test_bench_gated_delta_rejects_bad_variants(capsys, variants, msg):
 
 @pytest.mark.parametrize("argv,flag,msg", [
     (["moe-layer", "--smoke", "--device", "cpu", "--rows-impl", "cuda"], "--rows-impl", "'cuda'"),
+    (["moe-layer", "--smoke", "--device", "cpu", "--wgrad", "late"], "--wgrad", "'late'"),
+    (["moe-layer", "--smoke", "--device", "cpu", "--fp32-matmul", "tf32"], "--fp32-matmul",
+     "'tf32'"),
     (["moe-rows", "--configs", '{"BLOCK_H": 64}'], "--configs", "JSON list"),
     (["grouped-mm", "--impls", "torch,cublas"], "--impls", "'cublas'"),
     (["grouped-mm", "--configs", "[1]"], "--configs", "JSON list"),
