@@ -5,6 +5,8 @@
 #         megatron-core's dispatcher beside it, traces at 16K); the cost model refitted to it.
 # PART=2: `longmoe tune chunks` on the pair; the hybrid preset's last path stage at 64K and 32K
 #         with that cache; one 128K sequence over both GPUs (CP 2 x EP 2).
+# PART=3: the weight-gradient schedules at EP=2 (session 9): inside each chunk's step (auto, the
+#         default) against delayed to the end of the layer, A/B/A, 32K and 64K, both transports.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -20,6 +22,14 @@ if [ "${PART:-1}" = 1 ]; then
   tar -C "$OUT" -czf "$OUT/moe_layer_traces.tar.gz" traces && rm -rf "$OUT/traces"
   python3 -m longmoe tune calibrate --from "$OUT/moe_layer_h200x2.json" --hardware h200 \
       --out "$OUT/calibration.json" 2>&1 | tail -8
+elif [ "${PART}" = 3 ]; then
+  n=0
+  for w in delayed auto delayed; do
+    n=$((n + 1))
+    timeout 170 python3 -m longmoe bench moe-layer --nproc 2 --tokens 32768,65536 \
+        --chunks 1,2,4,8 --transports process_group,symmetric_memory --wgrad $w \
+        --out "$OUT/moe_layer_h200x2_wgrad_${w}_$n.json" 2>&1 | grep "^|" | tail -4
+  done
 else
   timeout 200 python3 -m longmoe tune chunks --ep 2 --seq-lens 16384,32768,65536 --chunks 1,2,4,8 \
       --out "$OUT/tune" 2>&1 | grep -v Warning | tail -6
