@@ -209,7 +209,8 @@ class _PipelinedExperts(torch.autograd.Function):
         by_e = pipe.by_experts
         # Expert chunks return each token's rows over several chunks: one buffer for all, reduced
         # once at the end (in _FinishCombine); token chunks reduce each chunk into its slice.
-        y_A = x_TH.new_empty((plan.order_A.numel(), H)) if by_e else None
+        # (Allocated at the first combine, once that chunk's expert outputs are freed.)
+        y_A = None
         y_TH = torch.zeros_like(x_TH) if by_e else torch.empty_like(x_TH)
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
@@ -237,9 +238,13 @@ class _PipelinedExperts(torch.autograd.Function):
             h, yg = _experts_fwd(xg, w_in[ex], w_out[ex], plan.expert_rows[c][ex],
                                  plan.offs[c][ex], impl, pipe.rows_impl)
             a0, a1 = pipe.arange(c)
-            comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
-            c_mark[c] = pipe.a2a(comb[c], yg[metas[c][2]], c, reverse=True)
+            send = yg[metas[c][2]]
             yg = None  # its gathered copy is what the comm stream sends
+            if by_e and y_A is None:
+                y_A = x_TH.new_empty((plan.order_A.numel(), H))
+            comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
+            c_mark[c] = pipe.a2a(comb[c], send, c, reverse=True)
+            send = None
             if c + 2 < C:
                 dispatch(c + 2)
             if c and not by_e:
