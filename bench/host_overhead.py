@@ -40,7 +40,7 @@ def main():
     moe = MoE(cfg)
     init_params(moe, cfg, 0)
     moe.to(device=dev, dtype=torch.bfloat16)
-    moe.experts.rows_impl = moe.router.rows_impl = a.rows_impl
+    moe.experts.rows_impl = a.rows_impl
     x = torch.randn(1, a.tokens, cfg.hidden_size, device=dev, dtype=torch.bfloat16,
                     requires_grad=True)
     gy = torch.randn_like(x)

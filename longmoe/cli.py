@@ -113,10 +113,8 @@ def _cmd_bench_rows(a) -> int:
         configs = parse_configs(a.configs)
     except ValueError as e:
         raise UserError(f"--configs: {e}") from None
-    if not 1 <= a.top_k <= a.experts:
-        raise UserError(f"--top-k: must be in [1, --experts={a.experts}], got {a.top_k}")
     report = run_bench(_ints(a.tokens, "--tokens"), a.top_k, a.hidden, a.ffn, a.dtype, configs,
-                       a.iters, a.device or active_backend().name, experts=a.experts)
+                       a.iters, a.device or active_backend().name)
     write_json_and_table(report, a.out, markdown_table)
     return 0
 
@@ -294,7 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--top-k", type=int, default=8)
     br.add_argument("--hidden", type=int, default=2048)
     br.add_argument("--ffn", type=int, default=512)
-    br.add_argument("--experts", type=int, default=256, help="router scores per token (top-k)")
     br.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     br.add_argument("--configs", help="JSON list of Triton tile overrides (default: shipped)")
     br.add_argument("--iters", type=int, default=10)

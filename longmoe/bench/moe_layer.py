@@ -105,7 +105,7 @@ def _rank(rank, world, backend, spec):
     if backend.device_type != "cpu":  # as the trainer does (impl.fp32_matmul): the router's GEMMs
         torch.set_float32_matmul_precision(spec["fp32_matmul"])
     moe = _layer(cfg, rank, world, backend, dtype)
-    moe.experts.rows_impl = moe.router.rows_impl = spec["rows_impl"]
+    moe.experts.rows_impl = spec["rows_impl"]
     H, E, K = cfg.hidden_size, cfg.num_experts, cfg.top_k
     group = dist.group.WORLD
     rows_out = []

@@ -17,9 +17,8 @@ import torch
 from longmoe.bench import median_ms
 
 
-def _ops(T, K, H, F, E, device, dtype, g):
-    from longmoe.ops.moe_rows import (gather_scale, gather_sum, swiglu_backward, swiglu_forward,
-                                      topk_indices)
+def _ops(T, K, H, F, device, dtype, g):
+    from longmoe.ops.moe_rows import gather_scale, gather_sum, swiglu_backward, swiglu_forward
     A, e = T * K, torch.empty((), dtype=dtype).element_size()
     order = torch.randperm(A, device=device, generator=g)
     inv = torch.empty_like(order)
@@ -30,7 +29,6 @@ def _ops(T, K, H, F, E, device, dtype, g):
     gT = torch.randn(T, H, device=device, dtype=dtype, generator=g)
     h = torch.randn(A, 2 * F, device=device, dtype=dtype, generator=g)
     ga = torch.randn(A, F, device=device, dtype=dtype, generator=g)
-    scores = torch.rand(T, E, device=device, generator=g)  # the router's: fp32 in any model dtype
     return {
         # op: (fn(impl), least bytes)
         "combine": (lambda i: gather_sum(y, inv, w, K, impl=i), (A * H + T * H) * e + A * 12),
@@ -40,12 +38,10 @@ def _ops(T, K, H, F, E, device, dtype, g):
         "swiglu": (lambda i: swiglu_forward(h, impl=i), 3 * A * F * e),
         "swiglu_bwd+dot": (lambda i: swiglu_backward(h, ga, with_dot=True, impl=i),
                            6 * A * F * e + A * 4),
-        "router_topk": (lambda i: topk_indices(scores, K, impl=i), T * E * 4 + A * 8),
     }
 
 
-def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device,
-              experts: int = 256) -> dict:
+def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device) -> dict:
     from longmoe.backends import get_backend
     from longmoe.ops.moe_rows import MOE_ROWS
     backend = get_backend(device)
@@ -56,7 +52,7 @@ def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device,
     impls = [("torch", None)] + ([] if why_not else [("triton", c) for c in configs])
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
-        ops = _ops(T, top_k, hidden, ffn, experts, dev, dt, g)
+        ops = _ops(T, top_k, hidden, ffn, dev, dt, g)
         for name, (fn, nbytes) in ops.items():
             for impl, cfg in impls:
                 with backend.kernel_overrides("moe_rows", cfg):
@@ -67,8 +63,7 @@ def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device,
     return {"bench": "moe-rows", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": backend.probe().get("device_name") or backend.name,
             "backend": backend.name, "versions": backend.versions(),
-            "shape": {"top_k": top_k, "hidden": hidden, "moe_ffn": ffn, "experts": experts,
-                      "dtype": dtype},
+            "shape": {"top_k": top_k, "hidden": hidden, "moe_ffn": ffn, "dtype": dtype},
             "shipped_config": backend.kernel_config("moe_rows"), "triton_skipped": why_not,
             "rows": rows}
 

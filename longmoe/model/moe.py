@@ -13,7 +13,7 @@ from torch import nn
 
 from longmoe.config import ModelConfig
 from longmoe.ops.grouped_mm import grouped_mm
-from longmoe.ops.moe_rows import SwiGLU, topk_indices
+from longmoe.ops.moe_rows import SwiGLU
 from longmoe.parallel.expert_parallel import ExpertDispatcher, count_ids
 
 
@@ -47,12 +47,11 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
         # Global tokens per expert in the last forward, read by update_expert_bias().
         self.register_buffer("last_load", torch.zeros(cfg.num_experts), persistent=False)
-        self.rows_impl = "auto"  # the top-k kernel (ops/moe_rows.py)
 
     def forward(self, x_TH):
         probs_TE = torch.softmax(RouterLogits.apply(x_TH, self.weight), dim=-1)
         scores = probs_TE + self.expert_bias if self.cfg.expert_bias_rate > 0 else probs_TE
-        idx_TK = topk_indices(scores, self.cfg.top_k, self.rows_impl)
+        idx_TK = torch.topk(scores, self.cfg.top_k, dim=-1).indices
         w_TK = probs_TE.gather(1, idx_TK)
         if self.cfg.norm_topk_prob:
             w_TK = w_TK / w_TK.sum(-1, keepdim=True)

@@ -1,8 +1,8 @@
 """The MoE layer's memory-bound row work behind one interface (registry "moe_rows"): the combine
 (gather each token's K expert rows and sum them weighted), its gradient, the dispatch's gradient,
-SwiGLU forward and backward, and the router's top-k choice.
+and SwiGLU forward and backward.
 
-Legend: T tokens, K top-k, A = T*K assignments, H hidden, M rows, F expert FFN, E experts.
+Legend: T tokens, K top-k, A = T*K assignments, H hidden, M rows, F expert FFN.
 
 Implementations:
   torch   eager PyTorch; runs everywhere; the reference. A combine is a gather that writes an
@@ -67,10 +67,6 @@ class TorchRows:
         torch.mul(silu, up, out=a)
         return gh, a, (row_dot(ga, a) if with_dot else None)
 
-    @staticmethod
-    def topk(x, k):
-        return torch.topk(x, k, dim=-1).indices
-
 
 class TritonRows:
     """ops/kernels/moe_rows.py with the active backend's tiles."""
@@ -109,12 +105,6 @@ class TritonRows:
         dot = torch.empty(h.shape[0], device=h.device, dtype=torch.float32) if with_dot else None
         launch_swiglu_bwd(h, ga, gh, a, dot, TritonRows._cfg())
         return gh, a, dot
-
-    @staticmethod
-    def topk(x, k):
-        from longmoe.ops.kernels.moe_rows import launch_topk_rows
-        idx = torch.empty((x.shape[0], k), device=x.device, dtype=torch.int64)
-        return launch_topk_rows(x, idx, TritonRows._cfg())
 
 
 def _triton_check(x: torch.Tensor) -> str | None:
@@ -173,17 +163,6 @@ def swiglu_backward(h_MF2, ga_MF, out=None, with_dot: bool = False, impl: str = 
     if out is not None and not _rowwise(*out):
         ops = TorchRows
     return ops.swiglu_backward(h_MF2, ga_MF, out, with_dot)
-
-
-def topk_indices(x_TE: torch.Tensor, k: int, impl: str = "auto") -> torch.Tensor:
-    """Indices of each row's k largest entries, largest first (the router's expert choice; no
-    gradient flows through indices). On an H200, torch.topk over 64K x 256 fp32 scores took
-    0.79 ms a call (its sort-based kernel); the Triton kernel keeps each row in registers."""
-    if x_TE.dim() != 2 or not 1 <= k <= x_TE.shape[1]:
-        raise ValueError(f"topk_indices: need a [T, E] tensor and 1 <= k <= E, got "
-                         f"{tuple(x_TE.shape)} and k={k}")
-    x_TE = x_TE if _rowwise(x_TE) else x_TE.contiguous()
-    return _ops(x_TE, impl).topk(x_TE, k)
 
 
 class SwiGLU(torch.autograd.Function):

@@ -65,7 +65,7 @@ def _ep_rank(rank, world, backend, cfg_dict, seed, T, chunks, skew, transport, c
                                       transport=backend.a2a(transport, dev),
                                       streams=backend.streams(), pipeline=True,
                                       chunk_by=chunk_by)
-    moe.dispatcher.rows_impl = moe.experts.rows_impl = moe.router.rows_impl = rows_impl
+    moe.dispatcher.rows_impl = moe.experts.rows_impl = rows_impl
     moe.dispatcher.wgrad = wgrad
     moe.batch_group = dist.group.WORLD
     x, c = _layer_inputs(cfg, seed, rank, T, skew)

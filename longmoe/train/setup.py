@@ -65,7 +65,6 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
                                           transport=transport, streams=streams,
                                           chunk_by=par.chunk_by)
         moe.dispatcher.rows_impl = moe.experts.rows_impl = run.impl.moe_rows
-        moe.router.rows_impl = run.impl.moe_rows
         moe.batch_group = layout.batch_group
     model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),
                                                  run.impl.recompute)

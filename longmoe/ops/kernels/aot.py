@@ -97,12 +97,6 @@ def _kernel_specs():
                        "WITH_DOT": "constexpr"},
                       lambda c: {"BLOCK_M": c["BLOCK_M"], "BLOCK_F": c["BLOCK_F"],
                                  "WITH_DOT": True}, "num_warps_swiglu"))
-    # The router's top-k: fp32 scores, Qwen3.5's 256 experts and top-8.
-    specs.append(("moe_rows", "topk_rows[fp32]", mr.topk_rows_kernel,
-                  {"x_ptr": "*fp32", "idx_ptr": "*i64", "T": "i32", "E": "i32", "stride_x": "i32",
-                   "K": "constexpr", "BLOCK_T": "constexpr", "BLOCK_E": "constexpr"},
-                  lambda c: {"K": 8, "BLOCK_T": min(c["BLOCK_T_TOPK"], 8192 // 256),
-                             "BLOCK_E": 256}, "num_warps_topk"))
     from longmoe.ops.kernels import affine_scan as sc
     for adjoint in (False, True):
         # D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs

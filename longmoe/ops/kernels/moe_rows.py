@@ -12,8 +12,6 @@ All arithmetic in fp32; results rounded once to the output's dtype.
   swiglu         a = silu(gate) * up over h = [gate | up]                programs over (M, F) tiles
   swiglu_bwd     d gate, d up and a from h and d a, and dot[m] = <d a[m], a[m]> (the router
                  weight's gradient on the expert side)            programs over M tiles, F looped
-  topk_rows      the router's top-K expert indices per token, largest first (NaN counts as the
-                 largest, ties go to the lower index)   programs over token tiles, E in registers
 """
 
 from __future__ import annotations
@@ -105,25 +103,6 @@ def swiglu_bwd_kernel(h_ptr, ga_ptr, gh_ptr, a_ptr, dot_ptr, M, F, stride_h, str
         tl.store(dot_ptr + rows, dot, mask=rmask)
 
 
-@triton.jit
-def topk_rows_kernel(x_ptr, idx_ptr, T, E, stride_x, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_E: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    rmask = rows < T
-    valid = rmask[:, None] & (cols[None, :] < E)
-    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=valid,
-                other=float("-inf")).to(tl.float32)
-    v = tl.where(v != v, float("inf"), v)  # NaN first, as torch.topk orders it
-    taken = cols[None, :] < 0              # all False, [BLOCK_T, BLOCK_E]
-    for k in tl.static_range(K):
-        free = valid & (taken == 0)
-        m = tl.max(tl.where(free, v, float("-inf")), 1)
-        pick = tl.min(tl.where(free & (v == m[:, None]), cols[None, :], BLOCK_E), 1)
-        tl.store(idx_ptr + rows.to(tl.int64) * K + k, pick.to(tl.int64), mask=rmask)
-        taken = taken | (cols[None, :] == pick[:, None])
-
-
 def _extra(cfg: dict) -> dict:
     """Launch options a vendor's table may carry beyond warps (e.g. waves_per_eu on ROCm)."""
     return {k: cfg[k] for k in ("waves_per_eu",) if k in cfg}
@@ -173,15 +152,3 @@ def launch_swiglu_bwd(h, ga, gh, a, dot, cfg: dict):
         h, ga, gh, a, dot if with_dot else a, M, F, h.stride(0), ga.stride(0), gh.stride(0),
         a.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_F=bf, WITH_DOT=with_dot,
         num_warps=cfg["num_warps_swiglu"], **_extra(cfg))
-
-
-def launch_topk_rows(x, idx, cfg: dict):
-    T, E = x.shape
-    if T == 0:
-        return idx
-    block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(cfg["BLOCK_T_TOPK"], 8192 // block_e))  # keep the tile in registers
-    topk_rows_kernel[(triton.cdiv(T, block_t),)](
-        x, idx, T, E, x.stride(0), K=idx.shape[1], BLOCK_T=block_t, BLOCK_E=block_e,
-        num_warps=cfg["num_warps_topk"], **_extra(cfg))
-    return idx
