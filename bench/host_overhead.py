@@ -28,18 +28,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")
     a = ap.parse_args()
-    torch.set_float32_matmul_precision(a.fp32_matmul)
-    from longmoe.config import get_preset
-    from longmoe.model.moe import MoE
-    from longmoe.model.transformer import init_params
-    from longmoe.parallel.expert_parallel import ExpertDispatcher
-    from longmoe.backends import active_backend
-    be = active_backend()
-    dev = be.device(0)
-    cfg = get_preset("qwen3.5-35b-a3b")
-    moe = MoE(cfg)
-    init_params(moe, cfg, 0)
-    moe.to(device=dev, dtype=torch.bfloat16)
+    from _one_rank import dispatcher, layer
+    be, dev, cfg, moe = layer(a.fp32_matmul)
     moe.experts.rows_impl = a.rows_impl
     x = torch.randn(1, a.tokens, cfg.hidden_size, device=dev, dtype=torch.bfloat16,
                     requires_grad=True)
@@ -51,10 +41,8 @@ def main():
 
     out = []
     for C in [int(c) for c in a.chunks.split(",")]:
-        moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, C, transport=be.a2a("auto", dev),
-                                          streams=be.streams(), pipeline=True)
+        moe.dispatcher = dispatcher(be, dev, cfg, C, a.wgrad)
         moe.dispatcher.rows_impl = a.rows_impl
-        moe.dispatcher.wgrad = a.wgrad
         for _ in range(3):
             step()
         be.synchronize()

@@ -26,18 +26,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")
     a = ap.parse_args()
-    torch.set_float32_matmul_precision(a.fp32_matmul)
-    from longmoe.backends import active_backend
-    from longmoe.config import get_preset
-    from longmoe.model.moe import MoE
-    from longmoe.model.transformer import init_params
-    from longmoe.parallel.expert_parallel import ExpertDispatcher
-    be = active_backend()
-    dev = be.device(0)
-    cfg = get_preset("qwen3.5-35b-a3b")
-    moe = MoE(cfg)
-    init_params(moe, cfg, 0)
-    moe.to(device=dev, dtype=torch.bfloat16)
+    from _one_rank import dispatcher, layer
+    be, dev, cfg, moe = layer(a.fp32_matmul)
     H, F, K = cfg.hidden_size, cfg.moe_ffn_size, cfg.top_k
     rows = []
     for T in [int(t) for t in a.tokens.split(",")]:
@@ -46,13 +36,7 @@ def main():
         cases = [("direct", 1, None)] + [("pipeline", int(c), w) for w in a.wgrad.split(",")
                                          for c in a.chunks.split(",")]
         for kind, C, wgrad in cases:
-            if kind == "direct":
-                moe.dispatcher = ExpertDispatcher(cfg.num_experts)
-            else:
-                moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, C,
-                                                  transport=be.a2a("auto", dev),
-                                                  streams=be.streams(), pipeline=True)
-                moe.dispatcher.wgrad = wgrad
+            moe.dispatcher = dispatcher(be, dev, cfg, 0 if kind == "direct" else C, wgrad)
             times, fwd, kept, bwd = [], [], [], []
             for i in range(2 + a.iters):
                 x.grad = None

@@ -44,29 +44,16 @@ def main():
     ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")
     ap.add_argument("--out")
     a = ap.parse_args()
-    torch.set_float32_matmul_precision(a.fp32_matmul)
     from torch.profiler import ProfilerActivity, profile
-    from longmoe.backends import active_backend
-    from longmoe.config import get_preset
-    from longmoe.model.moe import MoE
-    from longmoe.model.transformer import init_params
-    from longmoe.parallel.expert_parallel import ExpertDispatcher
-    be = active_backend()
-    dev = be.device(0)
-    cfg = get_preset("qwen3.5-35b-a3b")
-    moe = MoE(cfg)
-    init_params(moe, cfg, 0)
-    moe.to(device=dev, dtype=torch.bfloat16)
+    from _one_rank import dispatcher, layer
+    be, dev, cfg, moe = layer(a.fp32_matmul)
     rows = []
     for T in [int(t) for t in a.tokens.split(",")]:
         x = torch.randn(1, T, cfg.hidden_size, device=dev, dtype=torch.bfloat16,
                         requires_grad=True)
         gy = torch.randn_like(x)
         for C in [0] + [int(c) for c in a.chunks.split(",")]:  # 0: the unpipelined layer
-            moe.dispatcher = (ExpertDispatcher(cfg.num_experts) if C == 0 else
-                              ExpertDispatcher(cfg.num_experts, None, C,
-                                               transport=be.a2a("auto", dev),
-                                               streams=be.streams(), pipeline=True))
+            moe.dispatcher = dispatcher(be, dev, cfg, C)
 
             def step():
                 x.grad = None

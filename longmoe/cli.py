@@ -213,6 +213,19 @@ def _cmd_bench_path(a) -> int:
     return 0
 
 
+
+def _expert_shape_args(p):
+    """The flags the expert-kernel benches share: the layer's shape, tiles, timing, output."""
+    p.add_argument("--tokens", default="16384,65536")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--configs", help="JSON list of Triton tile overrides (default: shipped)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", help="backend name (default: auto)")
+    p.add_argument("--out", help="write the JSON report here")
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longmoe", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -288,30 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     br = bsub.add_parser("moe-rows", help="the MoE layer's row ops: eager vs Triton kernels and "
                                           "tile configs")
-    br.add_argument("--tokens", default="16384,65536")
-    br.add_argument("--top-k", type=int, default=8)
-    br.add_argument("--hidden", type=int, default=2048)
-    br.add_argument("--ffn", type=int, default=512)
-    br.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    br.add_argument("--configs", help="JSON list of Triton tile overrides (default: shipped)")
-    br.add_argument("--iters", type=int, default=10)
-    br.add_argument("--device", help="backend name (default: auto)")
-    br.add_argument("--out", help="write the JSON report here")
+    _expert_shape_args(br)
     br.set_defaults(fn=_cmd_bench_rows)
 
     bg = bsub.add_parser("grouped-mm", help="the experts' six grouped GEMMs per implementation "
                                             "and Triton tile config")
-    bg.add_argument("--tokens", default="16384,65536")
-    bg.add_argument("--top-k", type=int, default=8)
+    _expert_shape_args(bg)
     bg.add_argument("--experts", type=int, default=128, help="experts on the rank (256 / EP)")
-    bg.add_argument("--hidden", type=int, default=2048)
-    bg.add_argument("--ffn", type=int, default=512)
-    bg.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bg.add_argument("--impls", default="torch,triton")
-    bg.add_argument("--configs", help="JSON list of Triton tile overrides (default: shipped)")
-    bg.add_argument("--iters", type=int, default=10)
-    bg.add_argument("--device", help="backend name (default: auto)")
-    bg.add_argument("--out", help="write the JSON report here")
     bg.set_defaults(fn=_cmd_bench_gmm)
 
     bd = bsub.add_parser("gated-delta", help="Gated DeltaNet core fwd/fwd+bwd per impl and matmul "

@@ -313,13 +313,12 @@ class _PipelinedExperts(torch.autograd.Function):
                 gx_A[0] = g_TH.new_empty((plan.order_A.numel(), H))
             return gx_A[0][a0:a1]
 
-        if now:  # the GEMM implementation chosen once per weight, not per chunk (host time)
-            L = w_in.shape[0]
-            wg_in = wgrad_fn(impl, xg_all[:0], w_in, [0] * L)
-            wg_out = wgrad_fn(impl, xg_all.new_empty((0, w_out.shape[1])), w_out, [0] * L)
+        wgrads = {}  # the GEMM implementation chosen once per weight, not per chunk (host time)
 
         def wgrad_into(dw, ex, x, dy, w, rows, offs):
-            d = (wg_in if w is w_in else wg_out)(x, dy, rows, w[ex], offs)
+            if id(w) not in wgrads:
+                wgrads[id(w)] = wgrad_fn(impl, x, w, rows)
+            d = wgrads[id(w)](x, dy, rows, w[ex], offs)
             if dw is None:
                 return d
             dw[ex] = d
