@@ -157,6 +157,10 @@ def _cmd_bench_moe(a) -> int:
                         f"got {a.rows_impl!r}")
     if a.fp32_matmul not in (None, "high", "highest"):
         raise UserError(f"--fp32-matmul: must be high or highest, got {a.fp32_matmul!r}")
+    from longmoe.ops.router_matmul import ROUTER_MATMUL
+    if a.router_matmul not in ("auto", *ROUTER_MATMUL.names()):
+        raise UserError(f"--router-matmul: must be auto, {', '.join(ROUTER_MATMUL.names())}; "
+                        f"got {a.router_matmul!r}")
     from longmoe.parallel.moe_pipeline import WGRAD
     if a.wgrad not in WGRAD:
         raise UserError(f"--wgrad: must be one of {', '.join(WGRAD)}, got {a.wgrad!r}")
@@ -164,7 +168,7 @@ def _cmd_bench_moe(a) -> int:
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
                        trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
                        chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl,
-                       wgrad=a.wgrad, fp32_matmul=a.fp32_matmul)
+                       wgrad=a.wgrad, fp32_matmul=a.fp32_matmul, router_matmul=a.router_matmul)
     write_report(report, a.out)
     return 0
 
@@ -290,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--fp32-matmul", help="fp32 GEMM precision on GPUs (the router's): high "
                                           "(TF32) or highest; default: the trainer's "
                                           "impl.fp32_matmul")
+    bm.add_argument("--router-matmul", default="auto",
+                    help="the router's logits GEMMs: auto, mixed (bf16 with fp32 output) or fp32")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")

@@ -139,11 +139,13 @@ def test_moe_layer_bench_smoke_on_cpu_ranks(tmp_path):
     p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "moe-layer", "--smoke",
                         "--device", "cpu", "--out", str(out), "--trace-tokens", "64",
                         "--trace-dir", str(tmp_path / "tr"), "--trace-chunks", "2",
-                        "--wgrad", "delayed", "--fp32-matmul", "highest"],
+                        "--wgrad", "delayed", "--fp32-matmul", "highest",
+                        "--router-matmul", "fp32"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads(out.read_text())
-    assert (rep["wgrad"], rep["fp32_matmul"]) == ("delayed", "highest")  # the flags reach the run
+    # the flags reach the run
+    assert (rep["wgrad"], rep["fp32_matmul"], rep["router_matmul"]) == ("delayed", "highest", "fp32")
     kinds = sorted({r["kind"] for r in rep["rows"]})
     assert kinds == ["comm", "gemm", "layer"]
     (s,) = rep["summary"]

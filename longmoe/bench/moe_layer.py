@@ -106,6 +106,7 @@ def _rank(rank, world, backend, spec):
         torch.set_float32_matmul_precision(spec["fp32_matmul"])
     moe = _layer(cfg, rank, world, backend, dtype)
     moe.experts.rows_impl = spec["rows_impl"]
+    moe.router.matmul = spec["router_matmul"]
     H, E, K = cfg.hidden_size, cfg.num_experts, cfg.top_k
     group = dist.group.WORLD
     rows_out = []
@@ -244,7 +245,7 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
               smoke=False, chunk_by="experts", baseline: str | None = None,
               rows_impl: str = "auto", wgrad: str = "auto",
-              fp32_matmul: str | None = None) -> dict:
+              fp32_matmul: str | None = None, router_matmul: str = "auto") -> dict:
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -257,12 +258,12 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
             "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline,
             "rows_impl": rows_impl, "wgrad": wgrad,
-            "fp32_matmul": fp32_matmul or ImplConfig().fp32_matmul}
+            "fp32_matmul": fp32_matmul or ImplConfig().fp32_matmul, "router_matmul": router_matmul}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
         "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl, "wgrad": wgrad,
-        "fp32_matmul": spec["fp32_matmul"],
+        "fp32_matmul": spec["fp32_matmul"], "router_matmul": router_matmul,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
         "backend": backend.name, "versions": backend.versions(),

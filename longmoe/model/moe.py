@@ -14,28 +14,8 @@ from torch import nn
 from longmoe.config import ModelConfig
 from longmoe.ops.grouped_mm import grouped_mm
 from longmoe.ops.moe_rows import SwiGLU
+from longmoe.ops.router_matmul import router_logits
 from longmoe.parallel.expert_parallel import ExpertDispatcher, count_ids
-
-
-class RouterLogits(torch.autograd.Function):
-    """x W^T in fp32 (fp64 stays fp64) from the inputs' own dtype, keeping x and W as they came
-    (bf16) for the backward, not their fp32 casts: autograd over F.linear(x.float(), W.float())
-    keeps an fp32 copy of x, 4 bytes a token and hidden unit (0.5 GiB a layer at 64K tokens,
-    H = 2048). The backward casts again; the results are the same products and sums."""
-
-    @staticmethod
-    def forward(ctx, x_TH, w_EH):
-        ctx.save_for_backward(x_TH, w_EH)
-        acc = torch.promote_types(x_TH.dtype, torch.float32)
-        return F.linear(x_TH.to(acc), w_EH.to(acc))
-
-    @staticmethod
-    def backward(ctx, g_TE):
-        x_TH, w_EH = ctx.saved_tensors
-        g = g_TE.to(torch.promote_types(x_TH.dtype, torch.float32))
-        dx = (g @ w_EH.to(g.dtype)).to(x_TH.dtype) if ctx.needs_input_grad[0] else None
-        dw = (g.t() @ x_TH.to(g.dtype)).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw
 
 
 class Router(nn.Module):
@@ -47,9 +27,10 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
         # Global tokens per expert in the last forward, read by update_expert_bias().
         self.register_buffer("last_load", torch.zeros(cfg.num_experts), persistent=False)
+        self.matmul = "auto"  # the logits' GEMMs (ops/router_matmul.py; impl.router_matmul)
 
     def forward(self, x_TH):
-        probs_TE = torch.softmax(RouterLogits.apply(x_TH, self.weight), dim=-1)
+        probs_TE = torch.softmax(router_logits(x_TH, self.weight, self.matmul), dim=-1)
         scores = probs_TE + self.expert_bias if self.cfg.expert_bias_rate > 0 else probs_TE
         idx_TK = torch.topk(scores, self.cfg.top_k, dim=-1).indices
         w_TK = probs_TE.gather(1, idx_TK)

@@ -80,6 +80,9 @@ class ImplConfig:
     policy_loss: str = "auto"
     # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | torch.
     moe_rows: str = "auto"
+    # The router's logits GEMMs (ops/router_matmul.py): auto | mixed (bf16 GEMMs with fp32
+    # output; the backward's fp32 gradient split into two bf16 terms) | fp32 (fp32 casts).
+    router_matmul: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
     # tensor cores (10-bit mantissa, finer than the bf16 inputs; on an H200 at 16K-64K tokens the
@@ -95,8 +98,10 @@ class ImplConfig:
         from longmoe.ops import GROUPED_MM, LINEAR_CE, POLICY_LOSS, RECOMPUTE
         from longmoe.ops.gated_delta import GATED_DELTA
         from longmoe.ops.moe_rows import MOE_ROWS
+        from longmoe.ops.router_matmul import ROUTER_MATMUL
         for field, reg, extra in (("linear_ce", LINEAR_CE, ()), ("grouped_mm", GROUPED_MM, ()),
                                   ("gated_delta", GATED_DELTA, ()), ("recompute", RECOMPUTE, ()), ("moe_rows", MOE_ROWS, ()),
+                                  ("router_matmul", ROUTER_MATMUL, ()),
                                   ("policy_loss", POLICY_LOSS, ("unfused",))):
             valid = ("auto", *reg.names(), *extra)
             if getattr(self, field) not in valid:

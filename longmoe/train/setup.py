@@ -61,6 +61,7 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
             m.sdpa = SDPA(run.impl.attention)
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
+        moe.router.matmul = run.impl.router_matmul
         moe.dispatcher = ExpertDispatcher(cfg.num_experts, layout.ep_group, chunks,
                                           transport=transport, streams=streams,
                                           chunk_by=par.chunk_by)

@@ -1,0 +1,108 @@
+"""The router's three fp32 GEMMs (logits x W^T, dx = g W, dW = g^T x) at one MoE layer's shape:
+which kernels run and how long they take under each fp32 matmul precision, and the bf16-input /
+fp32-output GEMM (torch.mm(..., out_dtype=float32)) beside them, with errors against fp64; the
+backward's split form (g as two bf16 terms, ops/router_matmul.py) and each registered
+implementation's whole fwd+bwd at "high".
+
+    python bench/router_gemm_probe.py --tokens 16384,65536 --out router.json
+"""
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def timed(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters
+
+
+def kernels(fn):
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({ev.name[:120] for ev in p.events() if ev.device_type.name == "CUDA"})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16384,65536")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for T in [int(t) for t in a.tokens.split(",")]:
+        g0 = torch.Generator(device=dev).manual_seed(T)
+        x = torch.randn(T, a.hidden, device=dev, generator=g0).bfloat16()
+        w = (torch.randn(a.experts, a.hidden, device=dev, generator=g0) * 0.02).bfloat16()
+        g = torch.randn(T, a.experts, device=dev, generator=g0) * 1e-3
+        ref = {"fwd": x.double() @ w.double().t(), "dx": g.double() @ w.double(),
+               "dw": g.double().t() @ x.double()}
+        cases = {
+            "fwd": {"fp32": lambda: torch.nn.functional.linear(x.float(), w.float()),
+                    "bf16_out_fp32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32)},
+            "dx": {"fp32": lambda: g @ w.float(),
+                   "bf16_out_fp32": lambda: torch.mm(g.bfloat16(), w, out_dtype=torch.float32)},
+            "dw": {"fp32": lambda: g.t() @ x.float(),
+                   "bf16_out_fp32": lambda: torch.mm(g.t().bfloat16(), x, out_dtype=torch.float32)},
+        }
+        from longmoe.ops.router_matmul import split_grads
+        cases["dx"]["split_bf16x2"] = lambda: split_grads(g, x, w, True, False)[0]
+        cases["dw"]["split_bf16x2"] = lambda: split_grads(g, x, w, False, True)[1]
+        for prec in ("highest", "high"):
+            torch.set_float32_matmul_precision(prec)
+            state = {"allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                     "fp32_precision": getattr(torch.backends.cuda.matmul, "fp32_precision", None)}
+            for op, variants in cases.items():
+                for name, fn in variants.items():
+                    if name != "fp32" and prec == "high":
+                        continue  # independent of the fp32 setting
+                    out = fn().double()
+                    err = ((out - ref[op]).norm() / ref[op].norm()).item()
+                    row = {"T": T, "op": op, "variant": name,
+                           "precision": prec if name == "fp32" else "n/a", **state,
+                           "ms": timed(fn), "rel_err_fp64": err, "kernels": kernels(fn)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        # the same GEMMs inside autograd (the backward runs on autograd's device thread)
+        torch.set_float32_matmul_precision("high")
+        xr = x.clone().requires_grad_()
+        wr = w.float().requires_grad_()
+
+        def fb():
+            y = torch.nn.functional.linear(xr.float(), wr)
+            y.backward(g)
+        row = {"T": T, "op": "autograd fwd+bwd", "variant": "fp32", "precision": "high",
+               "ms": timed(fb), "kernels": kernels(fb)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        from longmoe.ops.router_matmul import router_logits
+        wb = w.clone().requires_grad_()
+        for impl in ("fp32", "mixed", "fp32", "mixed"):  # A/B/A/B
+            def fb_impl(impl=impl):
+                router_logits(xr, wb, impl).backward(g)
+            row = {"T": T, "op": "router_logits fwd+bwd", "variant": impl, "precision": "high",
+                   "ms": timed(fb_impl), "kernels": kernels(fb_impl)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.out:
+        dev_name = torch.cuda.get_device_name(0)
+        with open(a.out, "w") as f:
+            json.dump({"device": dev_name, "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
