@@ -1,8 +1,8 @@
 """The router's three fp32 GEMMs (logits x W^T, dx = g W, dW = g^T x) at one MoE layer's shape:
 which kernels run and how long they take under each fp32 matmul precision, and the bf16-input /
 fp32-output GEMM (torch.mm(..., out_dtype=float32)) beside them, with errors against fp64; the
-backward's split form (g as two bf16 terms, ops/router_matmul.py) and each registered
-implementation's whole fwd+bwd at "high".
+backward's split form (g as two bf16 terms hi + lo, one bf16 GEMM each with fp32 output;
+measured and not adopted) and each registered implementation's whole fwd+bwd at "high".
 
     python bench/router_gemm_probe.py --tokens 16384,65536 --out router.json
 """
@@ -25,6 +25,21 @@ def timed(fn, iters=20):
     e.record()
     torch.cuda.synchronize()
     return s.elapsed_time(e) / iters
+
+
+def split_grads(g, x, w, need_dx, need_dw):
+    """(g W, g^T x) with g as hi + lo bf16 terms (16 of fp32's 24 bits), stacked along the
+    reduction (dx) or the rows (dW) so each is one bf16 GEMM with fp32 output."""
+    E = g.shape[1]
+    hi = g.to(torch.bfloat16)
+    lo = (g - hi.float()).to(torch.bfloat16)
+    dx = torch.mm(torch.cat([hi, lo], 1), torch.cat([w, w], 0), out_dtype=torch.float32) \
+        if need_dx else None
+    dw = None
+    if need_dw:
+        d2 = torch.mm(torch.cat([hi.t(), lo.t()], 0), x, out_dtype=torch.float32)
+        dw = d2[:E] + d2[E:]
+    return dx, dw
 
 
 def kernels(fn):
@@ -58,7 +73,6 @@ def main():
             "dw": {"fp32": lambda: g.t() @ x.float(),
                    "bf16_out_fp32": lambda: torch.mm(g.t().bfloat16(), x, out_dtype=torch.float32)},
         }
-        from longmoe.ops.router_matmul import split_grads
         cases["dx"]["split_bf16x2"] = lambda: split_grads(g, x, w, True, False)[0]
         cases["dw"]["split_bf16x2"] = lambda: split_grads(g, x, w, False, True)[1]
         for prec in ("highest", "high"):

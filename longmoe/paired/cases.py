@@ -265,6 +265,34 @@ def megatron_moe_case(seed=0, T=53, num_experts=8, top_k=2, dtype=torch.float64)
     return res
 
 
+def router_matmul_case(impl="auto", seed=0, T=53, H=40, E=13, dtype=torch.bfloat16,
+                       device=None) -> PairedResult:
+    """The router's logits GEMMs (ops/router_matmul.py) against the fp32 reference on fp32 casts
+    of the same values: logits, dx and dW. Gradients of the logits are fp32 and small, as a
+    softmax's are."""
+    from longmoe.ops.router_matmul import ROUTER_MATMUL, router_logits
+    backend = active_backend()
+    device = device or backend.device(0)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    w = (torch.randn(E, H, generator=g) * 0.05).to(dtype).to(device)
+    gl = (torch.randn(T, E, generator=g) * 1e-3).to(device)
+    name = ROUTER_MATMUL.select(impl, x, w).name
+
+    def run(which, dt):
+        xx, ww = x.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+        y = router_logits(xx, ww, which)
+        return (y, *torch.autograd.grad(y, (xx, ww), gl.to(y.dtype)))
+
+    res = PairedResult("router_matmul", name, "fp32", TOLERANCE[dtype],
+                       info={"T": T, "H": H, "E": E, "dtype": str(dtype), "seed": seed})
+    for k, a, b in zip(("logits", "dX", "dW"), run(name, dtype), run("fp32", _ref_dtype(dtype))):
+        res.add(k, a, b)
+    _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("fp32", dtype), backend, 3)
+    return res
+
+
 def moe_rows_case(impl="auto", seed=0, T=13, K=3, H=37, F=11, dtype=torch.float32,
                   device=None) -> PairedResult:
     """The MoE row kernels (ops/moe_rows.py) against the eager reference: the combine and its

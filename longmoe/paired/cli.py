@@ -12,7 +12,8 @@ from rich.table import Table
 
 from longmoe.errors import UserError
 
-PRIMITIVES = ("linear_ce", "policy_loss", "grouped_mm", "moe_rows", "gated_delta", "moe_megatron",
+PRIMITIVES = ("linear_ce", "policy_loss", "grouped_mm", "moe_rows", "router_matmul", "gated_delta",
+              "moe_megatron",
               "recompute",
               "ep", "fsdp", "step")
 
@@ -36,6 +37,8 @@ def run_paired(primitive: str, impl: str = "auto", nproc: int = 2, seed: int | N
             return cases.grouped_mm_case(impl, seed)
         if primitive == "moe_rows":
             return cases.moe_rows_case(impl, seed)
+        if primitive == "router_matmul":
+            return cases.router_matmul_case(impl, seed)
         if primitive == "moe_megatron":
             return cases.megatron_moe_case(seed)
         if primitive == "gated_delta":

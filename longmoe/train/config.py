@@ -80,8 +80,8 @@ class ImplConfig:
     policy_loss: str = "auto"
     # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | torch.
     moe_rows: str = "auto"
-    # The router's logits GEMMs (ops/router_matmul.py): auto | mixed (bf16 GEMMs with fp32
-    # output; the backward's fp32 gradient split into two bf16 terms) | fp32 (fp32 casts).
+    # The router's logits GEMM (ops/router_matmul.py): auto | mixed (one bf16 GEMM with fp32
+    # output) | fp32 (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
     router_matmul: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
