@@ -8,6 +8,7 @@ measured and not adopted) and each registered implementation's whole fwd+bwd at 
 """
 
 import argparse
+import datetime
 import json
 
 import torch
@@ -112,10 +113,13 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:
-        dev_name = torch.cuda.get_device_name(0)
+        from longmoe.backends import active_backend
+        be = active_backend()
         with open(a.out, "w") as f:
-            json.dump({"device": dev_name, "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "rows": rows}, f, indent=1)
+            json.dump({"bench": "router-gemm-probe", "device": torch.cuda.get_device_name(0),
+                       "versions": be.versions(),
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
