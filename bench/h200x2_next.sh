@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Two H200s (EP=2), the first run of the session-8 code there (MoE row kernels, host fixes).
+# Two H200s (EP=2), the first run there since session 7: the session-8 row kernels and host fixes,
+# the session-9 weight-gradient schedule and memory cuts, the session-10 router GEMM.
 # Each PART fits one device call of < 10 minutes; most needed first.
 # PART=1: the multi-GPU tests; the MoE-layer sweep (16K-64K, C = 1, 2, 4, 8, both transports,
 #         megatron-core's dispatcher beside it, traces at 16K); the cost model refitted to it.
