@@ -121,6 +121,11 @@ BAD_INPUT = {
     # 4 x 64 = 256 tokens per rank per layer
     "chunks_exceed_tokens": (["train", "--config", "cpu_demo", *SMALL, "--set",
                               "parallel.chunks=257"], ["parallel.chunks", "257", "256"]),
+    # a named implementation this device cannot run (CPU runs compute in fp32 here)
+    "impl_cannot_run": (["train", "--config", "cpu_demo", "--set", "impl.router_matmul=mixed"],
+                        ["impl.router_matmul", "mixed", "bf16"]),
+    "impl_needs_gpu": (["train", "--config", "cpu_demo", "--set", "impl.moe_rows=triton"],
+                       ["impl.moe_rows", "triton", "GPU"]),
     "set_without_equals": (["train", "--config", "cpu_demo", "--set", "parallel.chunks"],
                            ["--set", "parallel.chunks"]),
     "paired_unknown_primitive": (["paired", "nope"], ["nope"]),

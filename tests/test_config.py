@@ -365,3 +365,22 @@ def test_cpu_demo_recipe():
     assert rc.model.num_experts % rc.parallel.ep == 0
     assert rc.train.nproc % rc.parallel.ep == 0
     assert resolve_config_path("cpu_demo.yaml") == resolve_config_path("cpu_demo")
+
+def test_named_impls_checked_per_field():
+    # The check the launcher runs before any process group: every checkable field, a named
+    # implementation that cannot run on this device names the field; "auto" is never refused.
+    from longmoe.errors import UserError
+    from longmoe.train.config import ImplConfig
+    from longmoe.train.impl_check import _probes, check_named_impls
+    cpu = torch.device("cpu")
+    check_named_impls(ImplConfig(), cpu, torch.bfloat16)
+    fields = [f for f, _, _ in _probes(cpu, torch.float32)]
+    assert fields == ["linear_ce", "policy_loss", "grouped_mm", "moe_rows", "router_matmul",
+                      "gated_delta"]
+    for field, name in (("router_matmul", "mixed"), ("grouped_mm", "torch"),
+                        ("gated_delta", "fla")):
+        with pytest.raises(UserError, match=f"impl.{field}: '{name}'"):
+            check_named_impls(ImplConfig(**{field: name}), cpu, torch.bfloat16)
+    # references always run
+    check_named_impls(ImplConfig(router_matmul="fp32", grouped_mm="loop", moe_rows="torch"),
+                      cpu, torch.bfloat16)

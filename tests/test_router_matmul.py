@@ -120,3 +120,4 @@ def test_mixed_on_gpu(precision, T):
     assert _rel(y, x64 @ w64.t()) < 1e-5
     dx, dw = torch.autograd.grad(y, (xx, ww), g)
     assert _rel(dx, g64 @ w64) < 2 ** -8 and _rel(dw, g64.t() @ x64) < 2 ** -8  # bf16 outputs
+

@@ -13,7 +13,9 @@ from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
+from longmoe.train.setup import torch_dtype
 from longmoe.train.data import read_jsonl
+from longmoe.train.impl_check import check_named_impls
 from longmoe.train.trainer import (RunOptions, init_distributed, leave_together, rank_main,
                                    resolve_backend, train)
 
@@ -59,6 +61,8 @@ def validate(run: RunConfig, nproc: int):
         count = backend.probe().get("device_count") or 0
         if nproc > count:
             raise UserError(f"--nproc: {nproc} ranks but only {count} {backend.name} device(s)")
+    else:  # GPU ranks check on their own device (here it would open a device context)
+        check_named_impls(run.impl, backend.device(0), torch_dtype(run.parallel.param_dtype))
     return backend
 
 
@@ -115,6 +119,8 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
         if int(os.environ["RANK"]) == 0:  # the only writer of the metrics file
             _fresh_metrics(opts)
         local = int(os.environ.get("LOCAL_RANK", 0))
+        backend.set_device(local)
+        check_named_impls(run.impl, backend.device(local), torch_dtype(run.parallel.param_dtype))
         init_distributed(backend, int(os.environ["RANK"]), world, local)
         import torch.distributed as dist
         try:
