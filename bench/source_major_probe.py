@@ -16,7 +16,6 @@ Rows: T tokens x top-K per rank, balanced over S sources and the L = E / S local
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 
@@ -33,6 +32,7 @@ def main():
     ap.add_argument("--out")
     a = ap.parse_args()
     from longmoe.backends import active_backend
+    from longmoe.bench import median_ms
     from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
     from longmoe.ops.moe_rows import swiglu_backward, swiglu_forward
     from longmoe.parallel.expert_parallel import (inverse_permutation,
@@ -108,16 +108,8 @@ def main():
 
             for name, fn in (("expert_major_fwd", em_fwd), ("source_major_fwd", sm_fwd),
                              ("expert_major_bwd", em_bwd), ("source_major_bwd", sm_bwd)):
-                for _ in range(3):
-                    fn()
-                be.synchronize()
-                ts = []
-                for _ in range(a.iters):
-                    with be.timer() as t:
-                        fn()
-                    ts.append(t.elapsed_ms)
                 row = {"T": T, "ep": S, "local_experts": L, "rows": M, "case": name,
-                       "ms": statistics.median(ts)}
+                       "ms": median_ms(be, fn, a.iters, warmup=3)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             # the two ways agree (bf16 sums in a different order: loose bound)

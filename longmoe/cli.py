@@ -217,7 +217,6 @@ def _cmd_bench_path(a) -> int:
     return 0
 
 
-
 def _expert_shape_args(p):
     """The flags the expert-kernel benches share: the layer's shape, tiles, timing, output."""
     p.add_argument("--tokens", default="16384,65536")
@@ -229,6 +228,7 @@ def _expert_shape_args(p):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", help="backend name (default: auto)")
     p.add_argument("--out", help="write the JSON report here")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="longmoe", description=__doc__.split("\n")[0])

@@ -52,13 +52,6 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _fp32_grads(ctx, g_TE, x_TH, w_EH):
-    g = g_TE.to(torch.promote_types(x_TH.dtype, torch.float32))
-    dx = (g @ w_EH.to(g.dtype)).to(x_TH.dtype) if ctx.needs_input_grad[0] else None
-    dw = (g.t() @ x_TH.to(g.dtype)).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw
-
-
 class _Fp32Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_EH):
@@ -68,18 +61,20 @@ class _Fp32Logits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TE):
-        return _fp32_grads(ctx, g_TE, *ctx.saved_tensors)
+        x_TH, w_EH = ctx.saved_tensors
+        g = g_TE.to(torch.promote_types(x_TH.dtype, torch.float32))
+        dx = (g @ w_EH.to(g.dtype)).to(x_TH.dtype) if ctx.needs_input_grad[0] else None
+        dw = (g.t() @ x_TH.to(g.dtype)).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
 
 
-class _MixedLogits(torch.autograd.Function):
+class _MixedLogits(_Fp32Logits):
+    """The reference's backward; only the forward differs."""
+
     @staticmethod
     def forward(ctx, x_TH, w_EH):
         ctx.save_for_backward(x_TH, w_EH)
         return mm_fp32(x_TH, w_EH.t())
-
-    @staticmethod
-    def backward(ctx, g_TE):
-        return _fp32_grads(ctx, g_TE, *ctx.saved_tensors)
 
 
 def _mixed_check(x_TH, w_EH):

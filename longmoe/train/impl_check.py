@@ -38,3 +38,13 @@ def check_named_impls(impl, device: torch.device, dtype: torch.dtype) -> None:
         reason = reg.why_not(name, *args)
         if reason:
             raise UserError(f"impl.{field}: {name!r} cannot run here: {reason}")
+
+
+def check_on_rank(run, backend, local_rank: int) -> None:
+    """The check on a GPU rank's own device, before its process group starts (CPU runs were
+    checked in the launcher, launch.validate, without opening any device context)."""
+    if backend.device_type == "cpu":
+        return
+    from longmoe.train.setup import torch_dtype
+    backend.set_device(local_rank)
+    check_named_impls(run.impl, backend.device(local_rank), torch_dtype(run.parallel.param_dtype))

@@ -13,9 +13,9 @@ from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
-from longmoe.train.setup import torch_dtype
 from longmoe.train.data import read_jsonl
-from longmoe.train.impl_check import check_named_impls
+from longmoe.train.impl_check import check_named_impls, check_on_rank
+from longmoe.train.setup import torch_dtype
 from longmoe.train.trainer import (RunOptions, init_distributed, leave_together, rank_main,
                                    resolve_backend, train)
 
@@ -119,8 +119,7 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
         if int(os.environ["RANK"]) == 0:  # the only writer of the metrics file
             _fresh_metrics(opts)
         local = int(os.environ.get("LOCAL_RANK", 0))
-        backend.set_device(local)
-        check_named_impls(run.impl, backend.device(local), torch_dtype(run.parallel.param_dtype))
+        check_on_rank(run, backend, local)
         init_distributed(backend, int(os.environ["RANK"]), world, local)
         import torch.distributed as dist
         try:

@@ -23,6 +23,7 @@ from longmoe.train.config import RunConfig
 from longmoe.train.data import make_source
 from longmoe.train.progress import Progress
 from longmoe.train.precision import MasterWeights
+from longmoe.train.impl_check import check_on_rank
 from longmoe.train.setup import build_model, clip_grad_norm, torch_dtype
 from longmoe.train.step import forward_backward, global_token_count, local_batch
 
@@ -194,10 +195,7 @@ def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, ren
     unique to this launch: a file store cannot collide with another job the way a probed
     free TCP port can when several launches start at once."""
     backend = resolve_backend(run.train.device)
-    if backend.device_type != "cpu":  # CPU runs checked these before spawning (launch.validate)
-        from longmoe.train.impl_check import check_named_impls
-        backend.set_device(local_rank)
-        check_named_impls(run.impl, backend.device(local_rank), torch_dtype(run.parallel.param_dtype))
+    check_on_rank(run, backend, local_rank)
     init_distributed(backend, local_rank, world, local_rank, f"file://{rendezvous}")
     try:
         train(run, opts, backend, backend.device(local_rank))
