@@ -15,6 +15,9 @@ import time
 
 import torch
 
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -78,10 +81,9 @@ def main():
         ops = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
         print(ops)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"device": be.probe().get("device_name"), "versions": be.versions(),
-                       "rows": out, "profile_top": s.getvalue()[-6000:],
-                       "device_ops_5_steps": ops}, f, indent=1)
+        write_json_and_table({"bench": "host-overhead", "rows": out,
+                              "profile_top": s.getvalue()[-6000:], "device_ops_5_steps": ops},
+                             a.out, plain_table, be)
 
 
 if __name__ == "__main__":

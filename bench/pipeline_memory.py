@@ -10,11 +10,13 @@ A x (H + 2F) elements (A = T x K rows).
 """
 
 import argparse
-import datetime
 import json
 import statistics
 
 import torch
+
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
 
 
 def main():
@@ -64,11 +66,7 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"bench": "pipeline-memory", "device": be.probe().get("device_name"),
-                       "versions": be.versions(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "rows": rows}, f, indent=1)
+        write_json_and_table({"bench": "pipeline-memory", "rows": rows}, a.out, plain_table, be)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ measured and not adopted) and each registered implementation's whole fwd+bwd at 
 """
 
 import argparse
-import datetime
 import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
 
 
 def timed(fn, iters=20):
@@ -115,11 +117,7 @@ def main():
     if a.out:
         from longmoe.backends import active_backend
         be = active_backend()
-        with open(a.out, "w") as f:
-            json.dump({"bench": "router-gemm-probe", "device": torch.cuda.get_device_name(0),
-                       "versions": be.versions(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "rows": rows}, f, indent=1)
+        write_json_and_table({"bench": "router-gemm", "rows": rows}, a.out, plain_table, be)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ longest idle gaps with the kernels on either side.
 
 import argparse
 import collections
-import datetime
 import json
 
 import torch
+
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
 
 
 def _events(prof):
@@ -77,11 +79,8 @@ def main():
     kernel_diff = [(round(d), k) for d, k in reversed(diff[-12:])]
     print("kernel us/step, mixed - fp32:", json.dumps(kernel_diff, indent=0))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"bench": "router-in-layer", "device": be.probe().get("device_name"),
-                       "versions": be.versions(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "rows": rows, "kernel_diff_us_per_step": kernel_diff}, f, indent=1)
+        write_json_and_table({"bench": "router-in-layer", "rows": rows,
+                              "kernel_diff_us_per_step": kernel_diff}, a.out, plain_table, be)
 
 
 if __name__ == "__main__":

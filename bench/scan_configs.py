@@ -2,7 +2,6 @@
 shape (n = 1024 chunks, 32 value heads, 128 x 128 states): the loop of baddbmm steps against the
 Triton kernel with each candidate tile config. Writes JSON to argv[1]; prints the best config."""
 
-import datetime
 import json
 import statistics
 import sys
@@ -10,6 +9,8 @@ import sys
 import torch
 
 from longmoe.backends import active_backend
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
 from longmoe.ops.kernels.affine_scan import affine_scan
 
 CANDIDATES = [{"BLOCK_V": bv, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "fp32_fast": "tf32"}
@@ -67,12 +68,9 @@ def main(out_path, n=1024, B=32, D=128, V=128):
         print(json.dumps(rows[-1]), flush=True)
     ok = [r for r in rows if r["impl"] == "triton" and "ms" in r and r["max_rel_err_vs_loop"] < 1e-2]
     best = min(ok, key=lambda r: r["ms"]) if ok else None
-    report = {"benchmark": "affine-scan configs", "shape": {"n": n, "B": B, "D": D, "V": V},
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": backend.probe(), "versions": backend.versions(), "rows": rows,
-              "best": best}
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
+    report = {"bench": "affine-scan-configs", "shape": {"n": n, "B": B, "D": D, "V": V},
+              "rows": rows, "best": best}
+    write_json_and_table(report, out_path, plain_table, backend)
     print("loop", rows[0]["ms"], "best", json.dumps(best))
 
 

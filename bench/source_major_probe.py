@@ -14,10 +14,12 @@ Rows: T tokens x top-K per rank, balanced over S sources and the L = E / S local
 """
 
 import argparse
-import datetime
 import json
 
 import torch
+
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
 
 
 def main():
@@ -119,11 +121,8 @@ def main():
             rows.append({"T": T, "ep": S, "case": "agreement", "rel_err": err})
             print(json.dumps(rows[-1]), flush=True)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"bench": "source-major-probe", "device": be.probe().get("device_name"),
-                       "versions": be.versions(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "rows": rows}, f, indent=1)
+        write_json_and_table({"bench": "source-major-experts", "rows": rows}, a.out, plain_table,
+                             be)
 
 
 if __name__ == "__main__":

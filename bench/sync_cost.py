@@ -7,11 +7,13 @@ step, for scale. One GPU; the unpipelined layer and the pipeline (local all-to-a
 """
 
 import argparse
-import datetime
 import json
 import statistics
 
 import torch
+
+from longmoe.bench import write_json_and_table
+from longmoe.bench.tables import plain_table
 
 
 def _device_events(prof):
@@ -79,11 +81,8 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"bench": "sync-cost", "device": be.probe().get("device_name"),
-                       "versions": be.versions(), "fp32_matmul": a.fp32_matmul,
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "rows": rows}, f, indent=1)
+        write_json_and_table({"bench": "sync-cost", "fp32_matmul": a.fp32_matmul, "rows": rows},
+                             a.out, plain_table, be)
 
 
 if __name__ == "__main__":
