@@ -155,7 +155,7 @@ def test_shipped_calibration_reproduces_the_h200_sweep():
     from longmoe.plan.hardware import get_hardware
     from longmoe.tuning.cost_model import calibration, layer_time
     cal, cfg, hw = calibration(), get_preset("qwen3.5-35b-a3b"), get_hardware("h200")
-    sweep = json.loads((ROOT / "docs/benchmarks/h200x2/session7/moe_layer_h200x2.json").read_text())
+    sweep = json.loads((ROOT / "tests/data/moe_layer_h200x2.json").read_text())
     rows = [r for r in sweep["rows"] if r["kind"] == "layer" and r["priority"] == -1]
     errs = [abs(layer_time(hw, cfg, 2, r["T"], r["chunks"], r["transport"])["ms"] - r["ms"]) / r["ms"]
             for r in rows]

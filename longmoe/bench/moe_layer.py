@@ -297,21 +297,41 @@ def _keep_critical_traces(d: Path, rows, T, nproc) -> list[str]:
     return kept
 
 
+def _pct(v) -> str:
+    return "" if v is None or v != v else f"{v:+.1%}"
+
+
+def _ms(v) -> str:
+    return "" if v is None or v != v else f"{v:.2f}"
+
+
 def markdown_table(report: dict) -> str:
-    lines = ["| transport | prio | T/rank | no-chunk ms | best C | best ms | speedup | default C |"
-             " default speedup | comm ms | GEMM ms | hidden | peak GiB (1 -> best) |"
-             " megatron ms | best vs megatron |",
-             "|" + "---|" * 15]
-    for s in report["summary"]:
-        lines.append(
-            f"| {s['transport']} | {s['priority']} | {s['T']} | {s['nochunk_ms']:.2f} | "
-            f"{s['best_chunks']} | {s['best_ms']:.2f} | {s['speedup_best']:+.1%} | "
-            f"{s['default_chunks']} | {s.get('speedup_default', float('nan')):+.1%} | "
-            f"{s.get('comm_ms', float('nan')):.2f} | {s.get('gemm_ms', float('nan')):.2f} | "
-            f"{s.get('hidden_fraction', float('nan')):.0%} | "
-            f"{s['nochunk_peak_gib']:.2f} -> {s['best_peak_gib']:.2f} | "
-            f"{s.get('megatron_ms', float('nan')):.2f} | "
-            f"{s.get('speedup_vs_megatron', float('nan')):+.1%} |")
+    """One row per (transport, priority, T/rank). "unpipelined" and its megatron column appear
+    when the run has them (one rank; --baseline megatron): megatron vs unpipelined is how much
+    longer megatron-core's dispatcher path takes than the layer EP=1 training runs."""
+    summ = report["summary"]
+    direct = any("direct_ms" in s for s in summ)
+    mega = any("megatron_ms" in s for s in summ)
+    head = ["transport", "prio", "T/rank", "no-chunk ms", "best C", "best ms", "speedup",
+            "default C", "default speedup", "comm ms", "GEMM ms", "hidden", "peak GiB (1 -> best)"]
+    head += ["unpipelined ms"] if direct else []
+    head += ["megatron ms", "megatron vs best"] if mega else []
+    head += ["megatron vs unpipelined"] if mega and direct else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summ:
+        hidden = s.get("hidden_fraction")
+        cells = [s["transport"], s["priority"], s["T"], _ms(s["nochunk_ms"]), s["best_chunks"],
+                 _ms(s["best_ms"]), _pct(s["speedup_best"]), s["default_chunks"],
+                 _pct(s.get("speedup_default")), _ms(s.get("comm_ms")), _ms(s.get("gemm_ms")),
+                 "" if hidden is None else f"{hidden:.0%}",
+                 f"{s['nochunk_peak_gib']:.2f} -> {s['best_peak_gib']:.2f}"]
+        cells += [_ms(s.get("direct_ms"))] if direct else []
+        if mega:
+            cells += [_ms(s.get("megatron_ms")), _pct(s.get("speedup_vs_megatron"))]
+        if mega and direct:
+            m, d = s.get("megatron_ms"), s.get("direct_ms")
+            cells.append(_pct(m / d - 1) if m and d else "")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
