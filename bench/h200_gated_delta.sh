@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The Gated DeltaNet core on one GPU: eager chunked vs compiled pieces, fp32 vs TF32 matmuls,
-# beside causal SDPA of the preset's attention layer (`longmoe bench gated-delta`).
+# The Gated DeltaNet core on one GPU (`longmoe bench gated-delta`): the cores (VARIANTS, e.g.
+# chunked@high,chunked_compiled@high,chunked_compiled) beside causal SDPA of the preset's attention
+# layer, with a per-op profile of PROFILE (empty: none). Writes results/h200/gated_delta${TAG}.json
+# and .md (OUT= elsewhere). The SDPA backends alone:
+#   VARIANTS=sdpa,sdpa:flash,sdpa:cudnn TOKENS=32768,65536 PROFILE= TAG=_sdpa_backends bash bench/h200_gated_delta.sh
 set -uo pipefail
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
+OUT=${OUT:-results/h200}
+LOGS=${LOGS:-bench-out}
+PROFILE=${PROFILE-chunked_compiled@high}
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 python3 -m longmoe bench gated-delta --tokens "${TOKENS:-16384,32768,65536}" \
-    ${VARIANTS:+--variants "$VARIANTS"} --profile "${PROFILE:-chunked_compiled@high}" \
-    --profile-dir "$OUT/gated_delta_ops" --out "$OUT/gated_delta.json" 2>&1 \
-    | grep -v '^{' | tail -30 | tee -a "$OUT/log.txt"
+    ${VARIANTS:+--variants "$VARIANTS"} ${PROFILE:+--profile "$PROFILE" --profile-dir "$LOGS/gated_delta_ops"} \
+    --out "$OUT/gated_delta${TAG:-}.json" 2>&1 | grep -v '^{' | tail -30 | tee -a "$LOGS/gated_delta.log"

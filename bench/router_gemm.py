@@ -4,7 +4,7 @@ fp32-output GEMM (torch.mm(..., out_dtype=float32)) beside them, with errors aga
 backward's split form (g as two bf16 terms hi + lo, one bf16 GEMM each with fp32 output;
 measured and not adopted) and each registered implementation's whole fwd+bwd at "high".
 
-    python bench/router_gemm_probe.py --tokens 16384,65536 --out router.json
+    python bench/router_gemm.py --tokens 16384,65536 --out router.json
 """
 
 import argparse

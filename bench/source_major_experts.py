@@ -10,7 +10,7 @@ row permutations worth more than it costs?
 Rows: T tokens x top-K per rank, balanced over S sources and the L = E / S local experts
 (multinomial per source). Fwd and bwd ms each, median of --iters.
 
-    python bench/source_major_probe.py --tokens 16384,65536 --ep 2,8 --out sm.json
+    python bench/source_major_experts.py --tokens 16384,65536 --ep 2,8 --out sm.json
 """
 
 import argparse
