@@ -1,4 +1,4 @@
-"""The recipe planner and memory estimator (issue E): planner decisions per (model, hardware,
+"""The recipe planner and memory estimator: planner decisions per (model, hardware,
 GPUs, sequence), estimator properties under hypothesis, bad input, the `recipe` command through
 `longmoe.plan.cli.main`, the shipped recipes, the hardware data and the calibration table.
 No torch and no process group: everything here is arithmetic and runs in a few seconds."""

@@ -52,8 +52,8 @@ def _rel(a, ref):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_fp32_reference_matches_linear_on_casts_and_keeps_no_fp32_copy(gen, dtype):
-    # The reference against autograd over F.linear on fp32 casts (what the router ran before
-    # session 9): same logits and gradients; the graph keeps x in its own dtype.
+    # The reference against autograd over F.linear on fp32 casts (the plain way to write the
+    # router): same logits and gradients; the graph keeps x in its own dtype.
     T, H, E = 37, 24, 11
     x, w, g = _inputs(gen, T, H, E, dtype)
     acc = torch.promote_types(dtype, torch.float32)

@@ -17,9 +17,9 @@ disappears inside the layer. f_gemm, the link fraction, the non-GEMM and per-chu
 `hide` are fitted to a measured 2xH200 sweep by `longmoe tune calibrate` (calibrate.py);
 r_half, latency and the xGMI per-peer links are stated assumptions (calibration.json). Moving
 the fit to other hardware assumes the same software costs scaled by its peak, links and HBM;
-the output is labelled a prediction. The shipped fit (calibration.json) is of the session-7
-2xH200 sweep with expert-range chunks (the default); it over-predicts the 64K gain measured on
-that pair by 5-8 points, so treat predictions for other hardware as upper bounds.
+the output is labelled a prediction. The shipped fit (calibration.json) is of the 2xH200 sweep
+in results/h200x2/moe_layer.json, expert-range chunks (the default); it over-predicts the 64K
+gain measured on that pair by 5-8 points, so treat predictions for other hardware as upper bounds.
 """
 
 from __future__ import annotations

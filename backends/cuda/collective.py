@@ -23,8 +23,8 @@ class NcclCollective(CollectiveAdapter):
     # -1 is the highest priority torch offers: communication kernels get scheduled ahead of the
     # expert GEMMs they are meant to overlap with.
     comm_stream_priority = -1
-    # Both transports run here; "auto" keeps NCCL first until the moe-layer benchmark on this
-    # machine says otherwise (docs/benchmarks/moe_layer.md).
+    # Both transports run here; "auto" keeps NCCL first unless the tuning cache, written by
+    # `longmoe tune chunks` on the machine, picks the other (docs/primitives/chunked_ep.md).
     a2a_transports = ("process_group", "symmetric_memory")
     reduce_dtypes = frozenset(
         {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64}

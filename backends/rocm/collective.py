@@ -21,11 +21,11 @@ class RcclCollective(CollectiveAdapter):
     # -1 is the highest priority torch offers: communication kernels get scheduled ahead of the
     # expert GEMMs they are meant to overlap with.
     comm_stream_priority = -1
-    # RCCL only: torch's symmetric memory on ROCm has not been run by this project (no AMD GPU
-    # was available), so asking for it fails with that reason and "auto" uses RCCL.
+    # RCCL only: torch's symmetric memory on ROCm has never run on an AMD GPU here, so asking
+    # for it fails with that reason and "auto" uses RCCL.
     a2a_transports = ("process_group",)
-    a2a_missing = {"symmetric_memory": "symmetric_memory is not validated on ROCm yet (never run "
-                                       "on an AMD GPU by this project); use process_group (RCCL)"}
+    a2a_missing = {"symmetric_memory": "symmetric_memory is not validated on ROCm yet (it has "
+                                       "never run on an AMD GPU); use process_group (RCCL)"}
     reduce_dtypes = frozenset(
         {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64}
     )

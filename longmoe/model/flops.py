@@ -17,8 +17,7 @@ each block's forward again (+1x the layers, not the head: linear CE is not recom
 recompute keeps every matmul/attention output and re-runs only memory-bound ops, which add no
 matmul FLOPs (counted as 0 here). The routed experts' combine (a router-weighted sum of K rows
 per token) is memory-bound row work, not a matmul (ops/moe_rows.py), and is not counted either:
-2*K*H a token, 0.07% of the experts' FLOPs at F = 512. (Until session 8 it was counted, as the
-batched product the combine then ran as.)
+2*K*H a token, 0.07% of the experts' FLOPs at F = 512.
 """
 
 from __future__ import annotations

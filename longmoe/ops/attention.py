@@ -3,7 +3,7 @@
 torch picks an SDPA backend by a fixed order. Which backend is fastest depends on the GPU and the
 head dim, so the order is data: "auto" takes the order the active backend's kernels.json lists
 for its arch under "sdpa", and torch's own choice where none is listed (none is: where measured,
-torch's choice was already the fastest; docs/parallelism.md, "Attention backend").
+torch's choice was already the fastest; docs/primitives/attention.md).
 `impl.attention: <name>` runs that backend only: a call it cannot serve fails with torch's
 "no available kernel" error rather than silently running another. Exclusive on purpose: with a
 fall-through order, a full-recompute run at 64K asked for flash first and its recomputed forward

@@ -1,4 +1,4 @@
-"""longmoe.plan: the recipe planner (issue E).
+"""longmoe.plan: the recipe planner.
 
   hardware.json / hardware.py   accelerator profiles as data, each figure with its source
   memory.py                     per-rank peak-memory estimate for a (TP, PP, EP, CP) layout

@@ -158,13 +158,13 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
             + 2 * b * (nd + kd)                             # rope inputs and outputs
             + b * (nd + 2 * kd) + b * nd + 4 * cfg.num_heads  # SDPA: q, k, v, out, lse
             + 2 * b * nd)                                   # gated output, o_proj input
-    # The router keeps its bf16 input (the same tensor the shared expert keeps) and fp32 probs;
-    # before session 9 autograd kept an fp32 copy of the input too (4H).
+    # The router keeps its bf16 input (the same tensor the shared expert keeps) and fp32 probs,
+    # no fp32 copy of the input (RouterLogits casts again in backward).
     moe_dense = (norm + 4 * E
                  + (5 * b * Fs + b * H if Fs else 0))       # shared expert FFN and its gate
     # Per routed row: the grouped-GEMM input, the [2F] up/gate output (all SwiGLU keeps), its
     # product (the down GEMM's input), and the expert output the combine keeps for the routing
-    # weights' gradient. (Before session 8 autograd over eager SwiGLU also kept silu: 4F.)
+    # weights' gradient. The one-pass SwiGLU keeps only its input, not silu.
     routed_saved = 2 * b * H + 3 * b * F
     # Alive only around the dispatch/combine: the all-to-all send/recv copies and, in backward,
     # their gradients (three H-wide copies and the FFN gradient at once).

@@ -27,8 +27,8 @@ class ParallelConfig:
     # What a chunk is: "experts" (a range of each rank's local experts with every token's
     # assignments to them; chunks must not exceed the local experts) or "tokens" (a token
     # range). Experts: each chunk's GEMMs read only its experts' weights, with all their rows;
-    # on one H200 rank a 64K layer took 55.1 / 55.0 / 55.2 / 56.5 ms at C = 1/2/4/8, token
-    # chunks 54.1 / 57.7 / 59.4 / 63.4 (docs/chunked_ep.md).
+    # on 2xH200 (EP 2, NCCL) a 64K layer took 60.5 / 59.4 / 59.8 / 60.0 ms at C = 1/2/4/8, token
+    # chunks 58.6 / 60.8 / 62.2 / 63.8 (results/h200x2/moe_layer*.json).
     chunk_by: str = "experts"
     # Expert all-to-all transport: auto | process_group | symmetric_memory (backends/transports.py)
     a2a_transport: str = "auto"
