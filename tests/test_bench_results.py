@@ -47,7 +47,9 @@ def test_probe_dict_device_becomes_its_name(monkeypatch):
 
 
 def test_plain_table_lists_scalar_columns():
-    text = plain_table({"rows": [{"T": 8, "ms": 1.23456, "cfg": {"a": 1}}, {"T": 16, "x": "b|c"}]})
+    # a tile config (dict of scalars) prints as k=v; lists and nested objects are left out
+    text = plain_table({"rows": [{"T": 8, "ms": 1.23456, "cfg": {"a": 1, "b": "x"}, "l": [1]},
+                                 {"T": 16, "x": "b|c", "deep": {"d": {"e": 1}}}]})
     head, _, first, second = text.splitlines()
-    assert head == "| T | ms | x |" and first == "| 8 | 1.235 |  |"
-    assert second == "| 16 |  | b\\|c |"
+    assert head == "| T | ms | cfg | x |" and first == "| 8 | 1.235 | a=1,b=x |  |"
+    assert second == "| 16 |  |  | b\\|c |"

@@ -26,9 +26,16 @@ ROW_KEYS = ("summary", "results", "runs", "rows", "reports")
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
-    if isinstance(v, (dict, list)):
-        return ""
+    if isinstance(v, dict):
+        v = ",".join(f"{k}={x}" for k, x in v.items() if not isinstance(x, (dict, list)))
     return str(v).replace("|", "\\|")
+
+
+def _short(v) -> bool:
+    """A column worth a cell: scalars, and dicts of scalars that print short (a tile config)."""
+    if isinstance(v, list):
+        return False
+    return not isinstance(v, dict) or 0 < len(_cell(v)) <= 80
 
 
 def plain_table(report: dict) -> str:
@@ -38,7 +45,7 @@ def plain_table(report: dict) -> str:
         return "(no rows in this report)"
     cols: list[str] = []
     for r in rows:
-        cols += [k for k, v in r.items() if k not in cols and not isinstance(v, (dict, list))]
+        cols += [k for k, v in r.items() if k not in cols and _short(v)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
