@@ -152,17 +152,18 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
 
 
 def markdown_table(report: dict) -> str:
-    lines = ["| tokens/GPU | stage | hw TFLOPS/GPU | model TFLOPS/GPU | MFU | peak GiB | last loss |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| tokens/GPU | stage | hw TFLOPS/GPU | model TFLOPS/GPU | MFU | step s | peak GiB |"
+             " last loss |", "|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if r["status"] == "ok":
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
+            step = f"{r['step_time_s']:.3f}" if r.get("step_time_s") else ""
             stage = r["stage"] + (f" ({r['note'].split(',')[0]})" if r.get("note") else "")
             lines.append(f"| {r['tokens_per_gpu']} | {stage} | {r['hw_tflops_per_gpu']:.1f} | "
-                         f"{r['model_tflops_per_gpu']:.1f} | {mfu} | {r['peak_mem_gib']:.1f} | "
-                         f"{r['last_loss']:+.4f} |")
+                         f"{r['model_tflops_per_gpu']:.1f} | {mfu} | {step} | "
+                         f"{r['peak_mem_gib']:.1f} | {r['last_loss']:+.4f} |")
         else:
-            lines.append(f"| {r['tokens_per_gpu']} | {r['stage']} | {r['status']} | | | | |")
+            lines.append(f"| {r['tokens_per_gpu']} | {r['stage']} | {r['status']} | | | | | |")
     return "\n".join(lines)
 
 
