@@ -116,7 +116,7 @@ def test_mixed_on_gpu(precision, T):
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     y = router_logits(xx, ww)
     # cuBLAS's bf16 GEMM with fp32 output measured 2.1e-6 here on an H200 (IEEE fp32 3.9e-7,
-    # TF32 3.3e-6; bench/router_gemm_probe.py)
+    # TF32 3.3e-6; bench/router_gemm.py)
     assert _rel(y, x64 @ w64.t()) < 1e-5
     dx, dw = torch.autograd.grad(y, (xx, ww), g)
     assert _rel(dx, g64 @ w64) < 2 ** -8 and _rel(dw, g64.t() @ x64) < 2 ** -8  # bf16 outputs

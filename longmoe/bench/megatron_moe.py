@@ -1,4 +1,4 @@
-"""The seeds' baseline for `bench moe-layer --baseline megatron`: megatron-core's all-to-all token
+"""The Megatron baseline of `bench moe-layer --baseline megatron`: megatron-core's all-to-all token
 dispatcher (`MoEAlltoAllTokenDispatcher`) in place of longmoe's chunked pipeline, inside the same
 MoE layer. Same router, balance loss, shared expert, expert weights and grouped GEMM; only the
 path from routed tokens to expert rows and back is megatron's:

@@ -11,8 +11,8 @@ forward/dgrad/wgrad calls on the rows one rank receives). Then
     hidden fraction = (T_nochunk - T_chunk) / min(T_comm, T_gemm)
 
 With `baseline="megatron"`, the same layer with megatron-core's all-to-all token
-dispatcher in place of the pipeline (`megatron_moe.py`), on the first transport's process group:
-the seeds' baseline, timed the same way.
+dispatcher in place of the pipeline (`megatron_moe.py`), on the first transport's process group,
+timed the same way.
 
 Legend: T local tokens per rank, K top-k, H hidden, C chunks.
 """
@@ -279,7 +279,7 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
 
 
 def _keep_critical_traces(d: Path, rows, T, nproc) -> list[str]:
-    """gzip the slowest rank's traces at T (the seeds' Figure 8/9 view), drop the others."""
+    """gzip the slowest rank's traces at T (the rank that sets the layer's time), drop the others."""
     kept = []
     for f in sorted(d.glob(f"*_T{T}_C*_rank0.json")):
         stem = f.name[: -len("_rank0.json")]

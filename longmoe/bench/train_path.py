@@ -1,4 +1,4 @@
-"""`longmoe bench train-path`: the seeds' optimisation path as training runs on the GPUs at hand.
+"""`longmoe bench train-path`: the optimisation path, stage by stage, as training runs.
 
 Stages (each adds one mechanism to the previous one), per tokens-per-GPU value:
   baseline     selective recompute, naive cross-entropy (full logits), FSDP off, no EP chunks

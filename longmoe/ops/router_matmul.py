@@ -14,7 +14,7 @@ Implementations:
          (H200: 2.1e-6 relative to fp64, IEEE fp32 3.9e-7, TF32 3.3e-6). The backward is the
          fp32 path's: its gradient g is fp32, and a bf16 g would round it to 8 bits.
 
-On one H200 at 64K tokens, H 2048, 256 experts (bench/router_gemm_probe.py, casts included):
+On one H200 at 64K tokens, H 2048, 256 experts (bench/router_gemm.py, casts included):
 the logits take 0.58 ms at "high" (TF32) and 0.11 ms as the bf16 GEMM; the backward's dx and dW
 0.27 and 0.67 ms at "high". Splitting g into two bf16 terms (hi + lo, 16 bits) for bf16 GEMMs
 was measured too (dx 0.45, dW 0.58 ms): no faster, and its extra precision is lost in the bf16
