@@ -294,3 +294,37 @@ def test_attention_layer_packed_equals_alone(gen, dtype, gated):
     assert rel_err(grads[0][real], want[1][real]) < tol, gen.initial_seed()
     for prm, g, gr in zip(params, grads[1:], want[2:]):
         assert rel_err(g, gr) < tol, gen.initial_seed()
+
+
+# ---- GPUs --------------------------------------------------------------------------------------
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("impl", ["varlen", "flex", "auto"])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 1e-3)])
+@pytest.mark.parametrize("q_start", [0, 500])
+def test_gpu_document_attention_matches_the_reference(impl, dtype, tol, q_start):
+    """The model's attention shape (head dim 256, GQA 8:1) on packed rows of odd lengths, whole
+    rows and a CP piece (queries from q_start on), against the masked reference in fp32:
+    outputs and gradients. varlen takes fp16/bf16 only: named with fp32 it must refuse."""
+    from longmoe.backends import active_backend
+    dev = active_backend().device(0)
+    rows = [[1, 130, 7, 333, 29, 300], [800]]
+    p = PackedRows.from_lengths(rows, 800).to(dev)
+    span = p.span(q_start)
+    gen = torch.Generator(device=dev).manual_seed(random.randrange(2**31))
+    mk = lambda s, h: torch.randn(2, s, h, 256, generator=gen, device=dev)  # noqa: E731
+    q, k, v = mk(800 - q_start, 8), mk(800, 1), mk(800, 1)
+    w = torch.randn(q.shape, generator=gen, device=dev)
+    att = Attention(impl)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    if impl == "varlen" and dtype == torch.float32:
+        with pytest.raises(ImplUnavailable, match="fp16/bf16"):
+            att.packed(*leaves, span)
+        return
+    out = att.packed(*leaves, span)
+    got = [out, *torch.autograd.grad((out.float() * w).sum(), leaves)]
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = Attention("reference").packed(*ref_in, span)
+    want = [ref, *torch.autograd.grad((ref * w).sum(), ref_in)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_err(a, b) < tol, (impl, name)

@@ -89,3 +89,22 @@ def test_packed_context_parallel_equals_unpacked_world1(nproc, cp, ep):
         got = torch.cat([ranks[i]["grads"][name] for i in range(ep)]) if name in experts and ep > 1 \
             else ranks[0]["grads"][name]
         assert rel_err(got, g_ref) < tol, (name, seed)
+
+
+def test_packed_context_parallel_through_the_compiled_core(monkeypatch):
+    # The GPU path (compiled core pieces with their reset masks, the masked conv with halos, the
+    # gated norm) under CP 2; on CPU the graphs run through the partitioner inductor uses, in
+    # every spawned rank.
+    monkeypatch.setenv("LONGMOE_FORCE_COMPILE", "aot_eager_decomp_partition")
+    seed = random.randrange(2**31)
+    run = _run(cp=2, ep=1, gated_delta="chunked_compiled")
+    ranks = run_ranks(_cp_rank, 2, run, seed)
+    monkeypatch.delenv("LONGMOE_FORCE_COMPILE")
+    ref = _reference(run, seed)
+    tol = 5 * TOLERANCE[torch.float32]
+    for name, g_ref in ref["grads"].items():
+        assert rel_err(ranks[0]["grads"][name], g_ref) < tol, (name, seed)
+    lp = torch.zeros_like(ref["lp"])
+    for r in ranks:
+        lp[:, r["pos"]] = r["lp"]
+    assert rel_err(lp[ref["real"]], ref["lp"][ref["real"]]) < tol, seed

@@ -96,6 +96,9 @@ class ContextParallel:
         rank's share of packed rows, PackedRows.select) the attention is document-causal: each
         piece's span over the whole rows' segments keeps every query inside its own sample."""
         P = self.seq_len // (2 * self.cp)
+        if packing is not None and (packing.whole is None or packing.whole.shape[1] != self.seq_len):
+            raise ValueError("context parallel attention takes this rank's share of packed rows "
+                             f"of {self.seq_len} tokens (local_packing)")
         outs = []
         for piece, j in ((0, self.rank), (1, 2 * self.cp - 1 - self.rank)):
             q = q_BsND[:, piece * P:(piece + 1) * P]
