@@ -7,6 +7,7 @@ plumbing (against an emulated kernel; fla itself needs a GPU) and the whole laye
 Legend: B rows, T tokens, Hk/Hv key/value heads, dk/dv head dims, C conv channels.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -60,7 +61,8 @@ def _alone_reference(leaves, w, rows, s0=None):
         part = [x.detach()[r:r + 1, sl].double().requires_grad_() for x in leaves]
         init = None if s0 is None or a else s0[r:r + 1].double()
         out, S = gd.gated_delta_rule(*part, initial_state=init, impl="recurrent")
-        for acc, t in zip([o, *grads], [out, *torch.autograd.grad((out * w[r:r + 1, sl]).sum(), part)]):
+        d = torch.autograd.grad((out * w[r:r + 1, sl]).sum(), part)
+        for acc, t in zip([o, *grads], [out, *d]):
             acc[r:r + 1, sl] = t
         finals[r] = S[0]
     return o, grads, torch.stack(finals)
@@ -135,7 +137,8 @@ def test_triton_scan_with_resets_under_the_interpreter():
         "B, T = 2, 80\n"
         "mk = lambda *s: torch.randn(*s).requires_grad_()\n"
         "leaves = [mk(B, T, 1, 16), mk(B, T, 1, 16), mk(B, T, 2, 16),\n"
-        "          (-torch.rand(B, T, 2) * 3).requires_grad_(), torch.rand(B, T, 2).requires_grad_()]\n"
+        "          (-torch.rand(B, T, 2) * 3).requires_grad_(),\n"
+        "          torch.rand(B, T, 2).requires_grad_()]\n"
         "o, _ = gd._chunked(*leaves, starts=p.starts, chunk=16)\n"
         "w = torch.randn(o.shape)\n"
         "got = [o] + list(torch.autograd.grad((o * w).sum(), leaves))\n"
@@ -257,12 +260,10 @@ def test_layer_packed_equals_each_sample_alone(gen, impl, compiled_path, dtype):
         y = layer(xi, packing=packing)
         return y, torch.autograd.grad((y.double() * w_now).sum(), [xi] + params)
 
-    ctx = forced("aot_eager_decomp_partition") if compiled_path else torch.autograd.set_grad_enabled(True)
-    with ctx:
+    with forced("aot_eager_decomp_partition") if compiled_path else contextlib.nullcontext():
         w_now = w
         y, grads = run(x, p)
-        want = [torch.zeros(y.shape, dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64)]
-        want += [torch.zeros(g.shape, dtype=torch.float64) for g in grads[1:]]
+        want = [torch.zeros(t.shape, dtype=torch.float64) for t in (y, x, *grads[1:])]
         for r, a, n in _samples(rows):
             w_now = w[r:r + 1, a:a + n]
             ya, ga = run(x[r:r + 1, a:a + n])

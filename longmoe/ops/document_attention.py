@@ -206,8 +206,8 @@ def _varlen_trial(device, dtype, head_dim: int) -> str | None:
             gen = torch.Generator(device=device).manual_seed(0)
             seg = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16, [3] * 20 + [4] * 12], device=device)
             span = DocumentSpan(seg, q_start=12)
-            mk = lambda s, h: torch.randn(2, s, h, head_dim, generator=gen, device=device)  # noqa: E731
-            q, k, v = mk(20, 4), mk(32, 2), mk(32, 2)
+            q, k, v = (torch.randn(2, s, h, head_dim, generator=gen, device=device)
+                       for s, h in ((20, 4), (32, 2), (32, 2)))
             with torch.enable_grad():
                 leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
                 got = varlen_document_attention(*leaves, span)

@@ -96,7 +96,8 @@ class ContextParallel:
         rank's share of packed rows, PackedRows.select) the attention is document-causal: each
         piece's span over the whole rows' segments keeps every query inside its own sample."""
         P = self.seq_len // (2 * self.cp)
-        if packing is not None and (packing.whole is None or packing.whole.shape[1] != self.seq_len):
+        whole = None if packing is None else packing.whole
+        if packing is not None and (whole is None or whole.shape[1] != self.seq_len):
             raise ValueError("context parallel attention takes this rank's share of packed rows "
                              f"of {self.seq_len} tokens (local_packing)")
         outs = []
@@ -105,7 +106,7 @@ class ContextParallel:
             end = (j + 1) * P  # keys at global positions < end; the last P align with q
             k, v = k_BSKD[:, :end], v_BSKD[:, :end]
             if packing is not None:
-                outs.append((sdpa or Attention()).packed(q, k, v, packing.whole.span(j * P, end)))
+                outs.append((sdpa or Attention()).packed(q, k, v, whole.span(j * P, end)))
                 continue
             fn = sdpa or F.scaled_dot_product_attention
             outs.append(fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
