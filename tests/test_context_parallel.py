@@ -29,3 +29,25 @@ def test_split_sequence_keeps_labels_aligned():
 def test_bad_lengths():
     with pytest.raises(ValueError, match="2\\*cp=4"):
         zigzag_positions(10, 2, 0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_local_packing_follows_the_zigzag_split(cp):
+    from longmoe.model.packing import PackedRows
+    from longmoe.parallel.context_parallel import local_packing
+    p = PackedRows.from_lengths([[6, 1, 17, 12, 7], [48]], 48)
+    seen = torch.zeros(2, 48, dtype=torch.long)
+    for r in range(cp):
+        share = local_packing(p, cp, r)
+        if cp == 1:
+            assert share is p
+            continue
+        pos = zigzag_positions(48, cp, r)
+        assert share.whole is p
+        for name in ("sample_ids", "positions", "starts", "history"):
+            assert torch.equal(getattr(share, name), split_sequence(getattr(p, name), pos)), name
+        seen[:, pos] += 1
+        # A piece begins mid-sample unless a sample starts right there.
+        P = 48 // (2 * cp)
+        assert share.starts[0, P].item() == bool(p.starts[0, pos[P]])
+    assert cp == 1 or (seen == 1).all()

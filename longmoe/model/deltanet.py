@@ -21,19 +21,25 @@ from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.gated_delta import gated_delta_rule
 
 
-def causal_conv_silu(x_BSC, w_CK, halo_BKC=None):
+def causal_conv_silu(x_BSC, w_CK, halo_BKC=None, history_BS=None):
     """SiLU(depthwise causal conv) as K shifted multiply-adds in the [B, S, C] layout, summed in
     fp32 (or wider): the same as F.conv1d over the transposed input with K-1 zeros (or `halo`) in
     front, without the transposes, and fusable. The GPU path compiles it: F.conv1d's depthwise
     kernel took 5.8 ms forward at 64K tokens x 8192 channels on an H200, ~10x the time its bytes
-    need. The eager path stays F.conv1d (autograd would keep K fp32 copies of the input here)."""
+    need. The eager path of unpacked rows stays F.conv1d (autograd would keep K fp32 copies of
+    the input here). `history_BS` (packed rows): tokens since each token's sample began; a tap
+    reaching further back reads zero, so no sample sees another's inputs."""
     K, S = w_CK.shape[1], x_BSC.shape[1]
     xp = F.pad(x_BSC, (0, 0, K - 1, 0)) if halo_BKC is None else torch.cat([halo_BKC, x_BSC], 1)
     acc = torch.promote_types(x_BSC.dtype, torch.float32)
     w = w_CK.to(acc)
-    y = xp[:, :S].to(acc) * w[:, 0]
-    for j in range(1, K):
-        y = y + xp[:, j:j + S].to(acc) * w[:, j]
+    y = None
+    for j in range(K):
+        back = K - 1 - j  # this tap reads the input `back` tokens earlier
+        tap = xp[:, j:j + S].to(acc)
+        if history_BS is not None and back:
+            tap = tap * (history_BS >= back)[..., None].to(acc)
+        y = tap * w[:, j] if y is None else y + tap * w[:, j]
     return F.silu(y).to(x_BSC.dtype)
 
 
@@ -96,11 +102,15 @@ class GatedDeltaNet(nn.Module):
         """Compile the conv and the gated norm on GPUs, unless an eager core was asked for."""
         return self.impl not in ("chunked", "recurrent") and not compile_unavailable(x.device)
 
-    def _conv(self, qkv_BSC, halo_BKC=None):
-        """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros).
-        On GPUs compiled into fused kernels, unless an eager core was asked for."""
+    def _conv(self, qkv_BSC, halo_BKC=None, history_BS=None):
+        """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros);
+        `history` (packed rows): tokens since each token's sample began. On GPUs compiled into
+        fused kernels, unless an eager core was asked for."""
         if self._fused(qkv_BSC):
-            return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC)
+            return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC,
+                                              history_BS)
+        if history_BS is not None:  # per-tap masks: F.conv1d has no way to take them
+            return causal_conv_silu(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC, history_BS)
         x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward
         x = F.pad(x, (self.kernel - 1, 0)) if halo_BKC is None else \
             torch.cat([halo_BKC.transpose(1, 2), x], -1)
@@ -113,13 +123,19 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(B, S, self.Hk, self.dk), k.reshape(B, S, self.Hk, self.dk),
                 v.reshape(B, S, self.Hv, self.dv))
 
-    def forward(self, x_BSH, cos=None, sin=None):
+    def forward(self, x_BSH, cos=None, sin=None, packing=None):
+        """`packing` (longmoe.model.packing.PackedRows, or None for one sample per row): the
+        state and the conv restart where each sample begins."""
         B, S, _ = x_BSH.shape
         beta = torch.sigmoid(self.in_proj_b(x_BSH))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSH).float() + self.dt_bias)
         qkv = self.in_proj_qkv(x_BSH)
         if self.cp is not None:
-            o = self._forward_cp(qkv, g, beta)
+            o = self._forward_cp(qkv, g, beta, packing)
+        elif packing is not None:
+            q, k, v = self._split(self._conv(qkv, history_BS=packing.history))
+            o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl, starts=packing.starts,
+                                    cu_seqlens=packing.cu_seqlens)
         else:
             q, k, v = self._split(self._conv(qkv))
             o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl)
@@ -127,7 +143,7 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z, fused=self._fused(x_BSH), dtype=x_BSH.dtype)
         return self.out_proj(o.reshape(B, S, -1))
 
-    def _forward_cp(self, qkv_BsC, g_BsV, beta_BsV):
+    def _forward_cp(self, qkv_BsC, g_BsV, beta_BsV, packing=None):
         """Context parallel over the zigzag split: this rank holds sequence pieces j0 < j1.
 
         1. conv halo: every piece's last K-1 inputs are gathered; piece j's conv reads piece
@@ -137,7 +153,11 @@ class GatedDeltaNet(nn.Module):
            one pass (columns of the state evolve independently).
         3. the [A | B] of all 2*cp pieces are gathered and composed in sequence order, giving
            each local piece its true initial state, from which it is recomputed.
-        All steps are differentiable (the gathers reduce-scatter their gradients)."""
+        All steps are differentiable (the gathers reduce-scatter their gradients).
+        Packed rows (`packing`, this rank's share): the conv masks by the whole rows' history,
+        halo included, and a sample starting inside a piece resets the state there; in step 2
+        that zeroes the identity columns too, so A = 0: the piece's end state no longer depends
+        on its start state, which the composition then passes on exactly."""
         cp, K = self.cp, self.kernel - 1
         B, s, _ = qkv_BsC.shape
         P = s // 2
@@ -147,27 +167,31 @@ class GatedDeltaNet(nn.Module):
         pieces = [slice(0, P), slice(P, s)]
         tails = torch.stack([qkv_BsC[:, sl][:, -K:] for sl in pieces])     # [2, B, K, C]
         all_tails = cp.gather_pieces(tails)                                # [2cp, B, K, C]
-        ins = []
+        ins, starts = [], []
         for sl, j in zip(pieces, cp.local_pieces()):
             halo = all_tails[j - 1] if j > 0 else None
-            q, k, v = self._split(self._conv(qkv_BsC[:, sl], halo))
+            history = None if packing is None else packing.history[:, sl]
+            q, k, v = self._split(self._conv(qkv_BsC[:, sl], halo, history))
             ins.append((q, k, v, g_BsV[:, sl], beta_BsV[:, sl]))
+            starts.append(None if packing is None else packing.starts[:, sl])
         dk, dv = self.dk, self.dv
         eye = torch.eye(dk, device=qkv_BsC.device).expand(B, self.Hv, dk, dk)
         init = torch.cat([eye, eye.new_zeros(B, self.Hv, dk, dv)], -1)    # [I | 0]
         summaries = []
-        for q, k, v, g, beta in ins:
+        for (q, k, v, g, beta), st in zip(ins, starts):
             v_ext = torch.cat([v.new_zeros(v.shape[:-1] + (dk,)), v], -1)
-            _, S = gated_delta_rule(q, k, v_ext, g, beta, initial_state=init, impl=self.impl)
+            _, S = gated_delta_rule(q, k, v_ext, g, beta, initial_state=init, impl=self.impl,
+                                    starts=st)
             summaries.append(S)                                            # [A | B]
         every = cp.gather_pieces(torch.stack(summaries))                   # [2cp, B, Hv, dk, dk+dv]
-        starts, state = {}, None
+        begin, state = {}, None
         for j in range(max(cp.local_pieces()) + 1):
-            starts[j] = state
+            begin[j] = state
             A, Bm = every[j][..., :dk], every[j][..., dk:]
             state = Bm if state is None else A @ state + Bm
         outs = []
-        for (q, k, v, g, beta), j in zip(ins, cp.local_pieces()):
-            o, _ = gated_delta_rule(q, k, v, g, beta, initial_state=starts[j], impl=self.impl)
+        for (q, k, v, g, beta), st, j in zip(ins, starts, cp.local_pieces()):
+            o, _ = gated_delta_rule(q, k, v, g, beta, initial_state=begin[j], impl=self.impl,
+                                    starts=st)
             outs.append(o)
         return torch.cat(outs, 1)

@@ -39,22 +39,25 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(positions_S: torch.Tensor, rotary_dim: int, theta: float, dtype):
-    """cos/sin [S, R] for the rotate-half convention (frequencies repeated over both halves)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions_S.device,
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype):
+    """cos/sin [S, R] for positions [S] shared by every row, or [B, S, R] for per-token positions
+    [B, S] (packed rows restart them per sample); rotate-half convention (frequencies repeated
+    over both halves)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device,
                                             dtype=torch.float64) / rotary_dim)
-    ang_SR2 = positions_S.to(torch.float64)[:, None] * inv_freq[None, :]
-    ang_SR = torch.cat([ang_SR2, ang_SR2], dim=-1)
-    return ang_SR.cos().to(dtype), ang_SR.sin().to(dtype)
+    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def apply_rope(x_BSND, cos_SR, sin_SR):
-    """Rotate the first R dims of each head; the remaining D - R pass through (partial rotary)."""
-    r = cos_SR.shape[-1]
+def apply_rope(x_BSND, cos, sin):
+    """Rotate the first R dims of each head; the remaining D - R pass through (partial rotary).
+    cos/sin: [S, R] or [B, S, R] (rope_cos_sin)."""
+    r = cos.shape[-1]
     rot, rest = x_BSND[..., :r], x_BSND[..., r:]
     half = r // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos, sin = cos_SR[None, :, None, :], sin_SR[None, :, None, :]
+    cos, sin = (t[..., None, :] if t.dim() == 3 else t[None, :, None, :] for t in (cos, sin))
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
@@ -74,7 +77,9 @@ class Attention(nn.Module):
         self.cp = None  # a parallel.context_parallel.ContextParallel when the sequence is split
         self.sdpa = SDPA()  # impl.attention: the SDPA backend order (longmoe.ops.attention)
 
-    def forward(self, x_BSH, cos_SR, sin_SR):
+    def forward(self, x_BSH, cos_SR, sin_SR, packing=None):
+        """`packing` (longmoe.model.packing.PackedRows, or None for one sample per row): the
+        rows' samples; attention stays inside each."""
         cfg = self.cfg
         B, S, _ = x_BSH.shape
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -91,13 +96,14 @@ class Attention(nn.Module):
         k_BSKD = apply_rope(k_BSKD, cos_SR, sin_SR)
         if self.cp is not None:  # local queries against the CP group's gathered keys/values
             k_BSKD, v_BSKD = self.cp.gather_kv(k_BSKD), self.cp.gather_kv(v_BSKD)
-            o_BNSD = self.cp.attention(q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2),
-                                       v_BSKD.transpose(1, 2), enable_gqa=n != k, sdpa=self.sdpa)
+            o_BSND = self.cp.attention(q_BSND, k_BSKD, v_BSKD, enable_gqa=n != k, sdpa=self.sdpa,
+                                       packing=packing)
+        elif packing is not None:
+            o_BSND = self.sdpa.packed(q_BSND, k_BSKD, v_BSKD, packing.span())
         else:
-            o_BNSD = self.sdpa(
+            o_BSND = self.sdpa(
                 q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
-                is_causal=True, enable_gqa=n != k)
-        o_BSND = o_BNSD.transpose(1, 2)
+                is_causal=True, enable_gqa=n != k).transpose(1, 2)
         if gate_BSND is not None:
             o_BSND = o_BSND * torch.sigmoid(gate_BSND)
         return self.o_proj(o_BSND.reshape(B, S, n * d))

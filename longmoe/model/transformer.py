@@ -15,6 +15,7 @@ from longmoe.config import ModelConfig
 from longmoe.model.deltanet import GatedDeltaNet, GatedRMSNorm
 from longmoe.model.layers import Attention, RMSNorm, rope_cos_sin
 from longmoe.model.moe import GroupedExperts, MoE
+from longmoe.model.packing import PackedRows
 from longmoe.ops.linear_ce import linear_logprobs
 from longmoe.ops.linear_ce_fused import linear_policy_loss
 
@@ -30,8 +31,8 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.moe = MoE(cfg, ep_rank, ep_size)
 
-    def forward(self, x_BSH, cos, sin):
-        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos, sin)
+    def forward(self, x_BSH, cos, sin, packing=None):
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos, sin, packing)
         y_BSH, aux = self.moe(self.moe_norm(x_BSH))
         return x_BSH + y_BSH, aux
 
@@ -76,31 +77,41 @@ class MoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False,
-                policy: dict | None = None):
+                policy: dict | None = None, packing: PackedRows | None = None):
         """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar, policy loss or
-        None); see LMHead.forward for `policy`."""
-        x_BSH, aux = self.hidden_states(input_ids_BS, positions_S)
+        None); see LMHead.forward for `policy`. `packing`: the rows' samples (PackedRows, on
+        this device; under context parallelism this rank's share, local_packing); its
+        positions drive RoPE, so `positions_S` must then be None. Without it every row is one
+        sample at positions `positions_S` (default 0..S-1)."""
+        x_BSH, aux = self.hidden_states(input_ids_BS, positions_S, packing)
         logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy)
         return logprobs, entropy, aux, loss
 
-    def hidden_states(self, input_ids_BS, positions_S=None):
+    def hidden_states(self, input_ids_BS, positions_S=None, packing: PackedRows | None = None):
         """(last block's output [B, S, H], summed balance loss)."""
         S = input_ids_BS.shape[1]
-        if positions_S is None:
+        if packing is not None:
+            if positions_S is not None:
+                raise ValueError("packed rows carry their own positions: pass positions=None")
+            if packing.shape != tuple(input_ids_BS.shape):
+                raise ValueError(f"packing {packing.shape} does not match input ids "
+                                 f"{tuple(input_ids_BS.shape)}")
+            positions_S = packing.positions
+        elif positions_S is None:
             positions_S = torch.arange(S, device=input_ids_BS.device)
         x_BSH = self.embed(input_ids_BS)
         cos, sin = rope_cos_sin(positions_S, self.cfg.rotary_dim, self.cfg.rope_theta, x_BSH.dtype)
         aux = x_BSH.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
-            x_BSH, layer_aux = layer(x_BSH, cos, sin)
+            x_BSH, layer_aux = layer(x_BSH, cos, sin, packing)
             aux = aux + layer_aux
         return x_BSH, aux
 
     @torch.no_grad()
-    def logits(self, input_ids_BS, positions_S=None):
+    def logits(self, input_ids_BS, positions_S=None, packing: PackedRows | None = None):
         """Full [B, S, V] logits: for parity checks and small evaluations only (training never
         materialises them)."""
-        x_BSH, _ = self.hidden_states(input_ids_BS, positions_S)
+        x_BSH, _ = self.hidden_states(input_ids_BS, positions_S, packing)
         return self.head.norm(x_BSH) @ self.head.weight.T
 
     def init_weights(self, seed: int = 0):

@@ -9,6 +9,12 @@ torch's choice was already the fastest; docs/primitives/attention.md).
 fall-through order, a full-recompute run at 64K asked for flash first and its recomputed forward
 took another backend than the first forward (different saved RNG-state dtypes), which the
 checkpoint rejects.
+
+Packed rows (several samples per row) take document-causal attention instead
+(longmoe.ops.document_attention): "auto" picks the fastest implementation that runs there
+(varlen_attn, then FlexAttention, on GPUs; the masked-SDPA reference on CPU); `varlen`, `flex`
+and `reference` name one (and serve unpacked rows too, as one segment per row); an SDPA
+backend name runs the masked reference through that backend only.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from longmoe.ops.document_attention import DOCUMENT_ATTENTION, DocumentSpan
+
 SDPA_NAMES = ("flash", "cudnn", "efficient", "math")
+DOCUMENT_NAMES = ("varlen", "flex", "reference")
+IMPL_NAMES = ("auto", *SDPA_NAMES, *DOCUMENT_NAMES)  # valid impl.attention values
 
 
 def _enum(name: str):
@@ -42,10 +52,10 @@ def preferred_order(impl: str = "auto", device: torch.device | None = None) -> l
     """The SDPA backends for `impl` ("auto" or a backend name) on `device`, in order; None leaves
     the choice to torch."""
     if impl != "auto":
-        if impl not in SDPA_NAMES:
+        if impl not in SDPA_NAMES + DOCUMENT_NAMES:
             raise ValueError(f"unknown attention implementation {impl!r}; "
-                             f"valid: auto, {', '.join(SDPA_NAMES)}")
-        return [impl]
+                             f"valid: {', '.join(IMPL_NAMES)}")
+        return [impl] if impl in SDPA_NAMES else None
     if device is not None and device.type == "cpu":
         return None
     from longmoe.backends import active_backend
@@ -63,10 +73,34 @@ class Attention:
         self.impl = impl
         self._orders: dict[str, list[str] | None] = {}
 
-    def __call__(self, q, k, v, *, is_causal=False, attn_mask=None, enable_gqa=False):
-        key = str(q.device)
+    def _order(self, device):
+        key = str(device)
         if key not in self._orders:
-            self._orders[key] = preferred_order(self.impl, q.device)
-        with sdpa_backends(self._orders[key]):
+            self._orders[key] = preferred_order(self.impl, device)
+        return self._orders[key]
+
+    def __call__(self, q, k, v, *, is_causal=False, attn_mask=None, enable_gqa=False):
+        if self.impl in DOCUMENT_NAMES and (is_causal or _lower_right(attn_mask)):
+            # a document implementation named for unpacked rows: one segment per row
+            B, _, Sq, _ = q.shape
+            span = DocumentSpan.causal(B, k.shape[2], k.shape[2] - Sq, q.device)
+            return self.packed(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               span).transpose(1, 2)
+        with sdpa_backends(self._order(q.device)):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                   is_causal=is_causal, enable_gqa=enable_gqa)
+
+    def packed(self, q_BSND, k_BSKD, v_BSKD, span: DocumentSpan):
+        """Document-causal attention of [B, Sq, N, D] queries against [B, Sk, K, D] keys and
+        values over `span`; [B, Sq, N, D] out."""
+        name = self.impl if self.impl in DOCUMENT_NAMES + ("auto",) else "reference"
+        impl = DOCUMENT_ATTENTION.select(name, q_BSND, k_BSKD, v_BSKD, span)
+        if impl.name != "reference":
+            return impl.fn(q_BSND, k_BSKD, v_BSKD, span)
+        with sdpa_backends(self._order(q_BSND.device)):
+            return impl.fn(q_BSND, k_BSKD, v_BSKD, span)
+
+
+def _lower_right(mask) -> bool:
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+    return isinstance(mask, CausalBias) and mask.variant == CausalVariant.LOWER_RIGHT

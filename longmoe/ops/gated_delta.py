@@ -6,7 +6,10 @@
     o_t = S_t^T q_t                                read
 
 q and k are L2-normalised per head and q is scaled by dk^-1/2. Key heads are shared by groups of
-value heads (GQA-style). Legend: B batch, T tokens, Hk key heads, Hv value heads, C chunk length.
+value heads (GQA-style). Packed rows pass `starts` [B, T] (True where a sample begins): the state
+is zeroed before such a token's decay, so no sample reads another's writes; a start at t = 0
+drops the initial state of that row. Legend: B batch, T tokens, Hk key heads, Hv value heads,
+C chunk length.
 
 Implementations (registry "gated_delta"):
   recurrent  one token at a time: the definition above; the reference (slow; tests only).
@@ -118,13 +121,15 @@ def _prep(q, k, v, g, beta):
 
 
 @GATED_DELTA.register("recurrent", priority=0, reference=True)
-def _recurrent(q, k, v, g, beta, initial_state=None):
+def _recurrent(q, k, v, g, beta, initial_state=None, starts=None):
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     B, Hv, T, dk = k.shape
     S = (q.new_zeros(B, Hv, dk, v.shape[-1]) if initial_state is None
          else initial_state.float().clone())
     outs = []
     for t in range(T):
+        if starts is not None:
+            S = torch.where(starts[:, t, None, None, None], 0.0, S)
         S = S * g[:, :, t, None, None].exp()
         kt = k[:, :, t]
         u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
@@ -134,12 +139,19 @@ def _recurrent(q, k, v, g, beta, initial_state=None):
     return o.transpose(1, 2), S
 
 
-def _chunk_terms(q, k, v, g, beta, chunk: int):
+def _chunk_terms(q, k, v, g, beta, chunk: int, starts=None):
     """Everything of the chunked form that is batched over chunks, before the state recurrence:
     returns (trans M, inject N, read, attn, u_part), each chunk-major [n, B*Hv, ...] and
     contiguous, so each step of the recurrence reads one dense block and the output's GEMMs
     batch over n*B*Hv without a copy of the states (compiled, the layout comes with the
-    kernels that write these tensors)."""
+    kernels that write these tensors).
+
+    With `starts`, a chunk is cut into the segments its sample starts delimit; every term below
+    is the same sum restricted to one segment, so it stays exact: pairs (i, j) of different
+    segments drop out of the decay matrix (no write or read crosses a start), only tokens before
+    the chunk's first start see its start state, only the last segment's writes reach its end
+    state, and a chunk holding a start carries nothing of its start state across (M's decay is
+    zero, and the k_end^T W product vanishes since the two never share a segment)."""
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     B, Hv, T, dk = k.shape
     dv = v.shape[-1]
@@ -147,6 +159,8 @@ def _chunk_terms(q, k, v, g, beta, chunk: int):
     if pad:  # padded steps: g = 0 (no decay), beta = 0 (no write); their outputs are dropped
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+        if starts is not None:
+            starts = torch.nn.functional.pad(starts, (0, pad))
     n = (T + pad) // chunk
     sh = lambda x: x.reshape(B, Hv, n, chunk, *x.shape[3:])  # noqa: E731
     q, k, v, g, beta = sh(q), sh(k), sh(v), sh(g), sh(beta)
@@ -156,6 +170,13 @@ def _chunk_terms(q, k, v, g, beta, chunk: int):
     gam64 = g.double().cumsum(-1)                                 # [B, Hv, n, C]
     diff = (gam64[..., :, None] - gam64[..., None, :]).float()    # gamma_i - gamma_j
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    first = last = carry = None
+    if starts is not None:
+        seg = starts.view(B, 1, n, chunk).cumsum(-1)                 # segment within the chunk
+        lower = lower & (seg[..., :, None] == seg[..., None, :])    # [B, 1, n, C, C]
+        first = (seg == 0).float()                  # reads/overwrites the chunk's start state
+        last = (seg == seg[..., -1:]).float()       # writes that reach the chunk's end state
+        carry = (seg[..., -1] == 0).float()[..., None, None]    # no start: S_c carries across
     decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # j <= i
     kk = k @ k.transpose(-1, -2)
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
@@ -168,10 +189,14 @@ def _chunk_terms(q, k, v, g, beta, chunk: int):
     eye = torch.eye(chunk, device=q.device).expand_as(system)
     inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
     u_part = inv @ (beta[..., None] * v)                          # U = u_part - W @ S0
-    w = inv @ ((beta * gam64.exp().float())[..., None] * k)
+    gam_exp = gam64.exp().float()
+    if first is not None:
+        gam_exp = gam_exp * first
+    w = inv @ ((beta * gam_exp)[..., None] * k)
     attn = (q @ k.transpose(-1, -2)) * decay                      # j <= i
-    q_dec = q * gam64.exp().float()[..., None]
-    k_end = k * (gam64[..., -1:] - gam64).float().exp()[..., None]
+    q_dec = q * gam_exp[..., None]
+    to_end = (gam64[..., -1:] - gam64).float().exp()
+    k_end = k * (to_end if last is None else to_end * last)[..., None]
     # Chunk c, from its start state S_c: U_c = u_part_c - W_c S_c,
     #   o_c     = q_dec_c S_c + attn_c U_c = (q_dec_c - attn_c W_c) S_c + attn_c u_part_c
     #   S_{c+1} = d_c S_c + k_end_c^T U_c  = (d_c I - k_end_c^T W_c) S_c + k_end_c^T u_part_c
@@ -180,6 +205,8 @@ def _chunk_terms(q, k, v, g, beta, chunk: int):
     # kernels: at 32K tokens the loop's 512 steps of launches, not the GPU, set the layer's time.
     k_end_t = k_end.transpose(-1, -2)                             # [B, Hv, n, dk, C]
     step_decay = gam64[..., -1].exp().float()[..., None, None]    # [B, Hv, n, 1, 1]
+    if carry is not None:
+        step_decay = step_decay * carry
     trans = step_decay * torch.eye(dk, device=q.device) - k_end_t @ w        # M: [.., dk, dk]
     inject = k_end_t @ u_part                                               # N: [.., dk, dv]
     read = q_dec - attn @ w                                                 # [.., C, dk]
@@ -195,10 +222,10 @@ def _chunk_output(read, S_starts, attn, u_part, B: int, T: int):
     return o.reshape(B, n * C, BH // B, dv)[:, :T]
 
 
-def _chunked_with(terms, output, q, k, v, g, beta, initial_state, chunk):
+def _chunked_with(terms, output, q, k, v, g, beta, initial_state, chunk, starts=None):
     B, T, Hv, dv = v.shape
     dk = q.shape[-1]
-    trans, inject, read, attn, u_part = terms(q, k, v, g, beta, chunk)
+    trans, inject, read, attn, u_part = terms(q, k, v, g, beta, chunk, starts)
     n = trans.shape[0]
     S0 = (read.new_zeros(B * Hv, dk, dv) if initial_state is None
           else initial_state.float().reshape(B * Hv, dk, dv))
@@ -208,8 +235,9 @@ def _chunked_with(terms, output, q, k, v, g, beta, initial_state, chunk):
 
 
 @GATED_DELTA.register("chunked", priority=5)
-def _chunked(q, k, v, g, beta, initial_state=None, chunk: int = 64):
-    return _chunked_with(_chunk_terms, _chunk_output, q, k, v, g, beta, initial_state, chunk)
+def _chunked(q, k, v, g, beta, initial_state=None, chunk: int = 64, starts=None):
+    return _chunked_with(_chunk_terms, _chunk_output, q, k, v, g, beta, initial_state, chunk,
+                         starts)
 
 
 def _compiled_check(q, k, v, g, beta, initial_state=None):
@@ -217,11 +245,11 @@ def _compiled_check(q, k, v, g, beta, initial_state=None):
 
 
 @GATED_DELTA.register("chunked_compiled", priority=7, check=_compiled_check)
-def _chunked_compiled(q, k, v, g, beta, initial_state=None, chunk: int = 64):
+def _chunked_compiled(q, k, v, g, beta, initial_state=None, chunk: int = 64, starts=None):
     # The recurrence between the pieces stays eager: compiled, its loop of n steps would
     # unroll into n graph nodes.
     return _chunked_with(compiled(_chunk_terms), compiled(_chunk_output), q, k, v, g, beta,
-                         initial_state, chunk)
+                         initial_state, chunk, starts)
 
 
 _FLA_TRIAL: dict[str, str | None] = {}
@@ -258,21 +286,59 @@ def _fla_trial(device) -> str | None:
 
 
 @GATED_DELTA.register("fla", priority=10, check=_fla_check)
-def _fla(q, k, v, g, beta, initial_state=None):
+def _fla(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv != Hk:
         q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
-    o, S = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, initial_state=initial_state,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return o.float(), S
+    if starts is None:
+        o, S = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta,
+                                      initial_state=initial_state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+        return o.float(), S
+    return _fla_packed(chunk_gated_delta_rule, q, k, v, g, beta, initial_state, starts, cu_seqlens)
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto"):
+def _fla_packed(kernel, q, k, v, g, beta, initial_state, starts, cu_seqlens):
+    """fla's variable-length form: the rows flattened into one, every segment (a run from one
+    start, or a row's first token, to the next) its own sequence with its own initial state.
+    A row's initial state seeds its first segment unless a sample starts right there; its final
+    state is that of its last segment."""
+    B, T = starts.shape
+    bounds = starts.clone()
+    bounds[:, 0] = True
+    if cu_seqlens is None:
+        first = bounds.reshape(-1).nonzero()[:, 0]
+        cu_seqlens = torch.cat([first, first.new_full((1,), B * T)])
+    cu_seqlens = cu_seqlens.long()
+    per_row = bounds.sum(1)
+    row_first = per_row.cumsum(0) - per_row                    # each row's first segment
+    flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
+    h0 = None
+    if initial_state is not None:
+        n, (Hv, dk, dv) = cu_seqlens.numel() - 1, initial_state.shape[1:]
+        seed = initial_state.float() * (~starts[:, 0]).float()[:, None, None, None]
+        h0 = seed.new_zeros(n, Hv, dk, dv).index_copy(0, row_first, seed)
+    o, S = kernel(flat(q), flat(k), flat(v), g=flat(g.float()), beta=flat(beta),
+                  initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  cu_seqlens=cu_seqlens)
+    return o.float().view(v.shape), S[row_first + per_row - 1]
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", starts=None,
+                     cu_seqlens=None):
     """(o [B, T, Hv, dv] fp32, final state [B, Hv, dk, dv] fp32). q, k: [B, T, Hk, dk];
-    v: [B, T, Hv, dv]; g (log decay, <= 0) and beta: [B, T, Hv]."""
+    v: [B, T, Hv, dv]; g (log decay, <= 0) and beta: [B, T, Hv]. `starts` [B, T] bool: reset
+    the state before these tokens (packed rows); `cu_seqlens` (optional, for fla): the flattened
+    boundaries of the segments `starts` gives with every row's first token a boundary."""
     fn = GATED_DELTA.select(impl, q, k, v, g, beta, initial_state).fn
-    return fn(q, k, v, g, beta, initial_state=initial_state)
+    if starts is None:
+        return fn(q, k, v, g, beta, initial_state=initial_state)
+    if starts.shape != q.shape[:2] or starts.dtype != torch.bool:
+        raise ValueError(f"starts must be bool {tuple(q.shape[:2])}, got {starts.dtype} "
+                         f"{tuple(starts.shape)}")
+    kw = {"cu_seqlens": cu_seqlens} if fn is _fla else {}
+    return fn(q, k, v, g, beta, initial_state=initial_state, starts=starts, **kw)
 
 
 def gated_delta_choice(device, impl: str = "auto") -> dict:

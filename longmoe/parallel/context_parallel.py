@@ -9,6 +9,11 @@ Zigzag: the sequence is cut into 2*cp pieces; CP rank r holds pieces r and 2*cp 
 rank gets one early (cheap) and one late (expensive) piece of the causal triangle. RoPE positions,
 labels, advantages and old log-probs are sliced with the same index, so everything per token
 stays aligned; the MoE and the LM head are per-token and need nothing else.
+
+Packed rows split the same way: each rank takes its share of the per-token sample ids, positions
+and segment starts (local_packing); attention masks every piece by the whole rows' segments, and
+Gated DeltaNet (longmoe.model.deltanet) restarts its state and convolution where a sample begins
+inside a piece.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from longmoe.ops.attention import Attention
 
 
 # torch 2.13 renames the tensor collectives; 2.11 (the GPU image) has only the old names.
@@ -81,19 +88,40 @@ class ContextParallel:
     def local_pieces(self) -> tuple[int, int]:
         return self.rank, 2 * self.cp - 1 - self.rank
 
-    def attention(self, q_BNsD, k_BKSD, v_BKSD, enable_gqa: bool, sdpa=None) -> torch.Tensor:
-        """Causal attention of the two local query pieces against the global keys/values
-        (`sdpa`: the layer's longmoe.ops.attention.Attention; default torch's backend order)."""
-        sdpa = sdpa or F.scaled_dot_product_attention
+    def attention(self, q_BsND, k_BSKD, v_BSKD, enable_gqa: bool, sdpa=None,
+                  packing=None) -> torch.Tensor:
+        """Causal attention of the two local query pieces [B, s, N, D] against the global keys/
+        values [B, S, K, D]; [B, s, N, D] out. `sdpa`: the layer's
+        longmoe.ops.attention.Attention (default torch's backend order). With `packing` (this
+        rank's share of packed rows, PackedRows.select) the attention is document-causal: each
+        piece's span over the whole rows' segments keeps every query inside its own sample."""
         P = self.seq_len // (2 * self.cp)
+        whole = None if packing is None else packing.whole
+        if packing is not None and (whole is None or whole.shape[1] != self.seq_len):
+            raise ValueError("context parallel attention takes this rank's share of packed rows "
+                             f"of {self.seq_len} tokens (local_packing)")
         outs = []
         for piece, j in ((0, self.rank), (1, 2 * self.cp - 1 - self.rank)):
-            q = q_BNsD[:, :, piece * P:(piece + 1) * P]
+            q = q_BsND[:, piece * P:(piece + 1) * P]
             end = (j + 1) * P  # keys at global positions < end; the last P align with q
-            outs.append(sdpa(
-                q, k_BKSD[:, :, :end], v_BKSD[:, :, :end], attn_mask=causal_lower_right(P, end),
-                enable_gqa=enable_gqa))
-        return torch.cat(outs, dim=2)
+            k, v = k_BSKD[:, :end], v_BSKD[:, :end]
+            if packing is not None:
+                outs.append((sdpa or Attention()).packed(q, k, v, whole.span(j * P, end)))
+                continue
+            fn = sdpa or F.scaled_dot_product_attention
+            outs.append(fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           attn_mask=causal_lower_right(P, end),
+                           enable_gqa=enable_gqa).transpose(1, 2))
+        return torch.cat(outs, dim=1)
+
+
+def local_packing(packing, cp: int, cp_rank: int):
+    """This CP rank's share of packed rows (longmoe.model.packing.PackedRows), in the zigzag
+    order local_batch gives its tokens."""
+    if cp == 1:
+        return packing
+    return packing.select(zigzag_positions(packing.shape[1], cp, cp_rank,
+                                           packing.sample_ids.device))
 
 
 def split_sequence(x_BS: torch.Tensor, positions_s: torch.Tensor) -> torch.Tensor:
