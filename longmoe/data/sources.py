@@ -151,13 +151,16 @@ class ParquetSource(_Indexed):
                                              for g in range(meta.num_row_groups)], dtype=np.int64)
         plen, rlen = array("i"), array("i")
         i = 0
-        for batch in self._file.iter_batches(batch_size=self.SCAN_ROWS, columns=self.columns):
-            for row in batch.to_pylist():
-                where, row = self.where(i), _drop_nulls(row)
-                p, r = _sizes(row, where)
-                check(row, where)
-                plen.append(p), rlen.append(r)
-                i += 1
+        for g in range(meta.num_row_groups):
+            group = self._file.read_row_group(g, columns=self.columns)
+            for batch in group.to_batches(max_chunksize=self.SCAN_ROWS):
+                for row in batch.to_pylist():
+                    where, row = self.where(i), _drop_nulls(row)
+                    p, r = _sizes(row, where)
+                    check(row, where)
+                    plen.append(p), rlen.append(r)
+                    i += 1
+            group = batch = None     # a batch slice would keep the group's buffers alive
         if not plen:
             raise UserError(f"{path}: no rows")
         self.prompt_lens = np.frombuffer(plen, dtype=np.int32)
