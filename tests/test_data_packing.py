@@ -1,7 +1,6 @@
 """Packing samples into token-budget rows: every token once, positions restarting per sample,
 labels and per-token signals aligned as in single-sample rows; the overlong policy."""
 
-import math
 import random
 
 import pytest

@@ -12,7 +12,7 @@ import torch
 
 from longmoe.data.lengths import parse_length
 from longmoe.data.order import epoch_order, step_indices
-from longmoe.data.pipeline import open_source, plan_for_step, rank_micro_batches
+from longmoe.data.pipeline import check_source, open_source, plan_for_step, rank_micro_batches
 from longmoe.data.sources import JsonlSource, ParquetSource
 from longmoe.data.synthetic import SyntheticSource
 from longmoe.errors import ConfigError, UserError
@@ -298,3 +298,28 @@ def test_resumed_step_equals_uninterrupted(tmp_path):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     with pytest.raises(ConfigError, match="data.source"):
         open_source("csv", "", check, V, 0)
+
+
+# ---- startup checks ------------------------------------------------------------------------
+
+def test_check_source_before_training(tmp_path):
+    rows = make_rows(6, random.Random(9), max_len=10)
+    rows[4] = {"prompt": [1] * 7, "response": [2] * 30, "advantage": 0.5}
+    path = tmp_path / "r.jsonl"
+    write_jsonl(path, rows, blank_every=2)
+    src = JsonlSource(path, check)
+    assert src.longest() == (max(len(r["prompt"]) for r in rows), 37)
+    with pytest.raises(UserError, match=rf"^{path}:7: sample of 37 tokens is longer than "
+                                        r"data.max_tokens_per_micro_batch=32 \("):
+        check_source(src, 32)
+    check_source(src, 32, overlong="truncate", pad_multiple=4)
+    check_source(src, 40, pad_multiple=4)
+    with pytest.raises(ConfigError, match="longest prompt"):
+        check_source(src, 7, overlong="truncate")
+    with pytest.raises(ConfigError, match="does not divide"):
+        check_source(src, 38, pad_multiple=4)
+    syn = SyntheticSource(V, 0, prompt_len=8, response_len="lognormal:20:100")
+    check_source(syn, 108)
+    with pytest.raises(ConfigError, match=r"^data.response_len: draws samples of up to 108"):
+        check_source(syn, 104)
+    check_source(syn, 104, overlong="drop")

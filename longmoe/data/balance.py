@@ -21,7 +21,8 @@ ranks; every rank gets the same count M, as lockstep needs:
      M grows by one;
   3. moves and swaps between the dearest micro-batch and the others lower the maximum cost;
   4. micro-batches by decreasing cost are dealt in rounds of `world`, the dearest of a round to
-     the rank with the lowest total so far, so micro-batch j of every rank comes from round j.
+     the rank with the lowest total so far, so micro-batch j of every rank comes from round j;
+     swaps within a round then even the rank totals further.
 A rank can get an empty micro-batch only when the step has fewer samples than world x M; it
 then runs one row of padding (packing.pack_rows) to take part in the collectives.
 """
@@ -42,8 +43,8 @@ def attention_crossover(per_token_flops: float, attention_flops_per_pair: float)
     """The sample length at which attention's work equals the per-token work: per_token_flops
     is a token's forward FLOPs without attention's core, attention_flops_per_pair the core's
     FLOPs per (query, key) pair summed over layers (4*N*D per full-attention layer; causal
-    attention has L^2/2 pairs)."""
-    return 2 * per_token_flops / attention_flops_per_pair
+    attention has L^2/2 pairs). A model without full attention has no crossover (inf)."""
+    return 2 * per_token_flops / attention_flops_per_pair if attention_flops_per_pair > 0 else math.inf
 
 
 def sample_cost(length: int, crossover: float = DEFAULT_CROSSOVER) -> float:
@@ -152,12 +153,29 @@ def _deal(bins, cost, world):
     """world x M micro-batches to ranks, M each, round by round (see the module docstring)."""
     load = [sum(cost[k] for k in b) for b in bins]
     order = sorted(range(len(bins)), key=lambda b: (-load[b], min(bins[b], default=math.inf), b))
+    rounds = [order[j:j + world] for j in range(0, len(order), world)]
     ranks, total = [[] for _ in range(world)], [0.0] * world
-    for j in range(0, len(order), world):
-        for b, r in zip(order[j:j + world], sorted(range(world), key=lambda r: (total[r], r))):
-            ranks[r].append(tuple(sorted(bins[b])))
+    for rnd in rounds:
+        for b, r in zip(rnd, sorted(range(world), key=lambda r: (total[r], r))):
+            ranks[r].append(b)
             total[r] += load[b]
-    return ranks
+    # Swapping two ranks' micro-batches of one round keeps every round's maximum (the lockstep
+    # time) and can still even the rank totals; sweep until no swap helps.
+    for _ in range(4 * len(rounds)):
+        improved = False
+        for j in range(len(rounds)):
+            for r in range(world):
+                for q in range(r + 1, world):
+                    a, b = ranks[r][j], ranks[q][j]
+                    d = load[a] - load[b]
+                    if max(total[r] - d, total[q] + d) < max(total[r], total[q]) - 1e-9:
+                        ranks[r][j], ranks[q][j] = b, a
+                        total[r] -= d
+                        total[q] += d
+                        improved = True
+        if not improved:
+            break
+    return [[tuple(sorted(bins[b])) for b in r] for r in ranks]
 
 
 def plan_step(sizes: Sequence[tuple[int, int]], world: int, budget: int, overlong: str = "error",

@@ -28,6 +28,11 @@ class OverlongCounts:
     dropped_tokens: int = 0
 
 
+def overlong_message(where: str, length: int, budget: int) -> str:
+    return (f"{where}: sample of {length} tokens is longer than {BUDGET}={budget} "
+            f"(set data.overlong to drop or truncate to train without it)")
+
+
 def fit_lengths(sizes: Sequence[tuple[int, int]], budget: int, policy: str,
                 where: Callable[[int], str]) -> tuple[list[int], OverlongCounts]:
     """Each sample's length in the step after the policy (0: dropped), from its (prompt,
@@ -45,8 +50,7 @@ def fit_lengths(sizes: Sequence[tuple[int, int]], budget: int, policy: str,
             dropped, lost = dropped + 1, lost + n
             continue
         if policy == "error":
-            raise UserError(f"{where(k)}: sample of {n} tokens is longer than {BUDGET}={budget} "
-                            f"(set data.overlong to drop or truncate to train without it)")
+            raise UserError(overlong_message(where(k), n, budget))
         if p >= budget:
             raise UserError(f"{where(k)}: prompt of {p} tokens leaves no response token within "
                             f"{BUDGET}={budget}")

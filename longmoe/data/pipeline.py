@@ -1,5 +1,6 @@
 """A step's data, from source to packed micro-batches; what the trainer calls each step:
 
+    check_source(source, budget, overlong, pad_multiple)   # once, at startup
     batch = plan_for_step(source, step, global_batch=..., world=dp, budget=..., seed=...)
     n = global_trained_tokens(source, batch)           # the loss normaliser (normalise.py)
     for mb in rank_micro_batches(source, batch, rank): # PackedBatch each, same count every rank
@@ -20,7 +21,8 @@ from longmoe.data.order import step_indices
 from longmoe.data.packing import PackedBatch, pack_rows
 from longmoe.data.sources import Check, JsonlSource, ParquetSource, Source
 from longmoe.data.synthetic import SyntheticSource
-from longmoe.errors import ConfigError
+from longmoe.data.overlong import BUDGET, check_budget, overlong_message
+from longmoe.errors import ConfigError, UserError
 
 SOURCES = ("synthetic", "jsonl", "parquet")
 
@@ -36,6 +38,22 @@ def open_source(kind: str, path: str, check: Check, vocab_size: int, seed: int,
     if kind == "synthetic":
         return SyntheticSource(vocab_size, seed, prompt_len, response_len, group_size)
     raise ConfigError("data.source", f"must be one of {', '.join(SOURCES)}, got {kind!r}")
+
+
+def check_source(source: Source, budget: int, overlong: str = "error",
+                 pad_multiple: int = 1) -> None:
+    """Startup checks, before any process group starts: the budget against the row padding and
+    the longest prompt, and under data.overlong=error every sample against the budget."""
+    longest_prompt, longest = source.longest()
+    check_budget(budget, pad_multiple, longest_prompt, overlong)
+    if overlong != "error" or longest <= budget:
+        return
+    if source.num_samples is None:
+        raise ConfigError("data.response_len", f"draws samples of up to {longest} tokens (with "
+                                               f"the prompt), longer than {BUDGET}={budget}")
+    k = source.first_longer_than(budget)
+    p, r = source.sizes(k)
+    raise UserError(overlong_message(source.where(k), p + r, budget))
 
 
 @dataclass(frozen=True)

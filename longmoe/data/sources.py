@@ -37,6 +37,7 @@ class Source(Protocol):
     num_samples: int | None     # None: endless (no epochs)
 
     def sizes(self, i: int) -> tuple[int, int]: ...     # (prompt, response) tokens
+    def longest(self) -> tuple[int, int]: ...           # (longest prompt, longest sample)
     def where(self, i: int) -> str: ...
     def get(self, i: int) -> Sample: ...
     def get_many(self, indices: Sequence[int]) -> list[Sample]: ...
@@ -71,6 +72,15 @@ class _Indexed:
 
     def sizes(self, i: int) -> tuple[int, int]:
         return int(self.prompt_lens[i]), int(self.response_lens[i])
+
+    def longest(self) -> tuple[int, int]:
+        return int(self.prompt_lens.max()), int((self.prompt_lens.astype(np.int64)
+                                                 + self.response_lens).max())
+
+    def first_longer_than(self, budget: int) -> int | None:
+        """The first sample longer than `budget` tokens, from the index alone."""
+        over = np.flatnonzero(self.prompt_lens.astype(np.int64) + self.response_lens > budget)
+        return int(over[0]) if over.size else None
 
     def index_nbytes(self) -> int:
         return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))

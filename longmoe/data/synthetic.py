@@ -47,6 +47,10 @@ class SyntheticSource:
         return (self.prompt_dist.draw(self._u(_PROMPT_LEN, g)),
                 self.response_dist.draw(self._u(_RESPONSE_LEN, i)))
 
+    def longest(self) -> tuple[int, int]:
+        """The longest prompt and sample the distributions can draw."""
+        return self.prompt_dist.hi, self.prompt_dist.hi + self.response_dist.hi
+
     def where(self, i: int) -> str:
         return f"synthetic sample {i}"
 
