@@ -84,7 +84,9 @@ def _lpt(order, length, cost, nbins, budget):
         if not fit:
             return None
         b = min(fit, key=lambda b: (load[b], b))
-        bins[b].append(k), used.__setitem__(b, used[b] + length[k]), load.__setitem__(b, load[b] + cost[k])
+        bins[b].append(k)
+        used[b] += length[k]
+        load[b] += cost[k]
     return bins
 
 

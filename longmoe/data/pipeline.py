@@ -18,10 +18,10 @@ from typing import Iterator
 from longmoe.data.balance import DEFAULT_CROSSOVER, StepPlan, plan_step
 from longmoe.data.normalise import step_trained_tokens
 from longmoe.data.order import step_indices
+from longmoe.data.overlong import BUDGET, check_budget, overlong_message
 from longmoe.data.packing import PackedBatch, pack_rows
 from longmoe.data.sources import Check, JsonlSource, ParquetSource, Source
 from longmoe.data.synthetic import SyntheticSource
-from longmoe.data.overlong import BUDGET, check_budget, overlong_message
 from longmoe.errors import ConfigError, UserError
 
 SOURCES = ("synthetic", "jsonl", "parquet")
