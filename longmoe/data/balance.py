@@ -44,7 +44,9 @@ def attention_crossover(per_token_flops: float, attention_flops_per_pair: float)
     is a token's forward FLOPs without attention's core, attention_flops_per_pair the core's
     FLOPs per (query, key) pair summed over layers (4*N*D per full-attention layer; causal
     attention has L^2/2 pairs). A model without full attention has no crossover (inf)."""
-    return 2 * per_token_flops / attention_flops_per_pair if attention_flops_per_pair > 0 else math.inf
+    if attention_flops_per_pair <= 0:
+        return math.inf
+    return 2 * per_token_flops / attention_flops_per_pair
 
 
 def sample_cost(length: int, crossover: float = DEFAULT_CROSSOVER) -> float:
@@ -195,7 +197,8 @@ def plan_step(sizes: Sequence[tuple[int, int]], world: int, budget: int, overlon
     order = sorted(items, key=lambda k: (-cost[k], k))
     M = max(1, math.ceil(math.ceil(sum(lengths) / budget) / world))
     while True:
-        bins = _lpt(order, lengths, cost, world * M, budget) or _ffd(items, lengths, world * M, budget)
+        nbins = world * M
+        bins = _lpt(order, lengths, cost, nbins, budget) or _ffd(items, lengths, nbins, budget)
         if bins is not None:
             break
         M += 1

@@ -50,7 +50,7 @@ class LengthDist:
             return self.lo
         if self.kind == "uniform":
             return min(self.hi, self.lo + int(u * (self.hi - self.lo + 1)))
-        # Mid-bin so that u = 0 stays finite; the cap makes the top tail a point mass at MAX.
+        # Clamped so u = 0 stays finite; the cap makes the top tail a point mass at MAX.
         u = min(max(u, 1e-12), 1 - 1e-12)
         x = math.exp(self.mu + self.sigma * NormalDist().inv_cdf(u))
         return max(1, min(self.hi, round(x)))
@@ -64,7 +64,8 @@ def parse_length(spec: str | int, field: str) -> LengthDist:
     kind, args = parts[0], parts[1:]
     want = {"fixed": 1, "uniform": 2, "lognormal": 2}
     if kind not in want:
-        raise ConfigError(field, f"{spec!r}: expected fixed:N, uniform:MIN:MAX or lognormal:MEAN:MAX")
+        raise ConfigError(field, f"{spec!r}: expected fixed:N, uniform:MIN:MAX or "
+                                 f"lognormal:MEAN:MAX")
     if len(args) != want[kind]:
         raise ConfigError(field, f"{spec!r}: {kind} takes {want[kind]} number(s)")
     try:

@@ -69,7 +69,8 @@ def check_budget(budget: int, pad_multiple: int = 1, longest_prompt: int | None 
         raise ConfigError(BUDGET, f"must be >= 1, got {budget}")
     if budget % pad_multiple:
         raise ConfigError(BUDGET, f"{budget} does not divide into rows padded to a multiple of "
-                                  f"{pad_multiple} (2 x context-parallel size for the zigzag split)")
+                                  f"{pad_multiple} (2 x context-parallel size, for the zigzag "
+                                  f"split)")
     if longest_prompt is not None and longest_prompt >= budget and policy != "drop":
         raise ConfigError(BUDGET, f"{budget} is not longer than the longest prompt "
                                   f"({longest_prompt} tokens)")

@@ -63,7 +63,9 @@ class PackedBatch:
 
 
 def _put(dst: torch.Tensor, run, val: torch.Tensor, keep: torch.Tensor | None, fill) -> None:
-    dst[run] = val if keep is None else torch.where(keep, val, torch.as_tensor(fill, dtype=val.dtype))
+    if keep is not None:
+        val = torch.where(keep, val, torch.as_tensor(fill, dtype=val.dtype))
+    dst[run] = val
 
 
 def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,

@@ -41,6 +41,9 @@ class SyntheticSource:
     def _u(self, *key: int) -> float:
         return random.Random(mix(self.seed, *key)).random()
 
+    def _gen(self, *key: int) -> torch.Generator:
+        return torch.Generator().manual_seed(mix(self.seed, *key))
+
     def sizes(self, i: int) -> tuple[int, int]:
         """(prompt, response) tokens of sample i, without drawing its tokens."""
         g = i // self.group_size
@@ -55,12 +58,11 @@ class SyntheticSource:
         return f"synthetic sample {i}"
 
     def get(self, i: int) -> Sample:
-        g, G = divmod(i, self.group_size)[0], self.group_size
+        G = self.group_size
+        g = i // G
         P, R = self.sizes(i)
-        prompt = torch.randint(0, self.vocab, (P,),
-                               generator=torch.Generator().manual_seed(mix(self.seed, _PROMPT_IDS, g)))
-        response = torch.randint(0, self.vocab, (R,),
-                                 generator=torch.Generator().manual_seed(mix(self.seed, _RESPONSE_IDS, i)))
+        prompt = torch.randint(0, self.vocab, (P,), generator=self._gen(_PROMPT_IDS, g))
+        response = torch.randint(0, self.vocab, (R,), generator=self._gen(_RESPONSE_IDS, i))
         rewards = [self._u(_REWARD, k) for k in range(g * G, (g + 1) * G)]
         mean = sum(rewards) / G
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / G)
