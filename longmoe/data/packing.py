@@ -1,0 +1,126 @@
+"""Packing: samples laid end to end in rows, each token tagged with its sample and its position
+inside it, the training signal aligned to next-token labels.
+
+Shapes: R rows of S tokens. For a sample of prompt length P and response length R_ placed at
+offset o of a row, position o+t holds its token t, has position id t (RoPE restarts per sample)
+and sample id k (its ordinal in the micro-batch; -1 on padding). Position t predicts token t+1
+of the same sample, so response token j (at t = P+j) is the label of position o+P+j-1; the
+sample's last position, its prompt positions (except the one predicting the first response
+token), masked response tokens and padding carry label -100. Advantages and the old / ref /
+rollout log-probs sit at the same positions as their labels (0 and NaN elsewhere; NaN also
+where the sample gave no such log-probs).
+
+A sample never spans two rows: the planner keeps every sample within the budget (overlong.py).
+Rows are padded to the longest row rounded up to `pad_multiple` (2*cp for the zigzag split of
+context parallel), or to a fixed `seq_len` when shapes must not change between micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+from longmoe.data.sample import LOGPROB_FIELDS, Sample
+
+IGNORE = -100
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, eq=False)
+class PackedBatch:
+    input_ids: torch.Tensor         # [R, S] int64
+    labels: torch.Tensor            # [R, S] int64, -100 where nothing is trained
+    advantages: torch.Tensor        # [R, S] float32
+    old_logprobs: torch.Tensor      # [R, S] float32, NaN: not given
+    ref_logprobs: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    sample_ids: torch.Tensor        # [R, S] int64, -1 on padding
+    positions: torch.Tensor         # [R, S] int64, restarting at 0 per sample
+    row_lengths: tuple[tuple[int, ...], ...]    # per row, its samples' lengths in order
+    sample_index: tuple[tuple[int, ...], ...]   # per row, its samples' source indices
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(**{f.name: (getattr(self, f.name).to(device)
+                                       if isinstance(getattr(self, f.name), torch.Tensor)
+                                       else getattr(self, f.name)) for f in fields(self)})
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(map(sum, self.row_lengths))
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.input_ids.numel() - self.useful_tokens
+
+    @property
+    def trained_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+def _put(dst: torch.Tensor, run, val: torch.Tensor, keep: torch.Tensor | None, fill) -> None:
+    if keep is not None:
+        val = torch.where(keep, val, torch.as_tensor(fill, dtype=val.dtype))
+    dst[run] = val
+
+
+def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
+              pad_multiple: int = 1) -> PackedBatch:
+    """Pack each inner list into one row. No rows (a rank's empty micro-batch) gives one row of
+    padding, so the rank still runs the step's collectives with nothing to train."""
+    if not rows:
+        rows = [[]]
+    used = [sum(len(s) for s in row) for row in rows]
+    S = round_up(max(max(used), 1), pad_multiple) if seq_len is None else seq_len
+    if max(used) > S:
+        raise ValueError(f"a row of {max(used)} tokens does not fit seq_len={S}")
+    if S % pad_multiple:
+        raise ValueError(f"seq_len={S} is not a multiple of pad_multiple={pad_multiple}")
+    n = len(rows)
+    ids = torch.zeros(n, S, dtype=torch.long)
+    labels = torch.full((n, S), IGNORE, dtype=torch.long)
+    adv = torch.zeros(n, S)
+    logps = {k: torch.full((n, S), float("nan")) for k in LOGPROB_FIELDS}
+    sid = torch.full((n, S), -1, dtype=torch.long)
+    pos = torch.zeros(n, S, dtype=torch.long)
+    k = 0
+    for r, row in enumerate(rows):
+        o = 0
+        for s in row:
+            P, L = s.prompt_len, len(s)
+            ids[r, o:o + L] = torch.cat([s.prompt, s.response])
+            sid[r, o:o + L] = k
+            pos[r, o:o + L] = torch.arange(L)
+            # The response tokens from `first` on are the labels of one contiguous run of
+            # positions; writing them as slices, not through index tensors, matters: an indexed
+            # write of 6K positions took 3000x a slice's time on CPU.
+            first = 1 if P == 0 else 0
+            run = (r, slice(o + P - 1 + first, o + L - 1))
+            keep = None if s.loss_mask is None else s.loss_mask[first:]
+            _put(labels, run, s.response[first:], keep, IGNORE)
+            a = s.advantage
+            _put(adv, run, a[first:] if isinstance(a, torch.Tensor)
+                 else torch.full((L - P - first,), a), keep, 0.0)
+            for key in LOGPROB_FIELDS:
+                v = getattr(s, key)
+                if v is not None:
+                    _put(logps[key], run, v[first:], keep, float("nan"))
+            o, k = o + L, k + 1
+    return PackedBatch(ids, labels, adv, logps["old_logprobs"], logps["ref_logprobs"],
+                       logps["rollout_logprobs"], sid, pos,
+                       row_lengths=tuple(tuple(len(s) for s in row) for row in rows),
+                       sample_index=tuple(tuple(s.index for s in row) for row in rows))
+
+
+def row_sample_lengths(sample_ids: torch.Tensor) -> list[list[int]]:
+    """Per row of a [R, S] sample-id tensor, the lengths of its samples in order (padding, id
+    -1, is not a sample). From these the model builds its sequence boundaries (cu_seqlens)."""
+    out = []
+    for row in sample_ids.cpu():
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        out.append([int(c) for i, c in zip(ids.tolist(), counts) if i >= 0])
+    return out

@@ -1,0 +1,199 @@
+"""RL sample sources: a JSONL stream and a Parquet reader with the same fields (sample.py), and
+the interface every source (synthetic.py too) offers the step planner.
+
+A source is opened once: one streaming pass reads every row, validates it with the caller's
+`check(row, where)` (which raises a UserError naming the row) and keeps only a compact index:
+
+  JSONL    per row its byte offset (int64), line number and prompt/response lengths (int32):
+           20 bytes a row, 20 MB for a million rollouts whatever their length. A sample is read
+           back by seeking to its offset and parsing that one line.
+  Parquet  per row its prompt/response lengths (int32); rows are located through the file's
+           row-group row counts. The pass reads one row group at a time, and reading samples
+           back loads the row groups they are in (the last one is kept for sequential reads),
+           so memory is bounded by the largest row group, not the file: write rollout files
+           with row groups of a few thousand rows.
+
+Planning needs only lengths (`sizes`), so each rank reads only the samples it trains on. The
+row order is the file order; which rows a step takes is order.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from longmoe.data.sample import FIELDS, Sample
+from longmoe.errors import UserError
+
+Check = Callable[[dict, str], None]
+REQUIRED = ("prompt", "response", "advantage")
+
+
+class Source(Protocol):
+    num_samples: int | None     # None: endless (no epochs)
+
+    def sizes(self, i: int) -> tuple[int, int]: ...     # (prompt, response) tokens
+    def longest(self) -> tuple[int, int]: ...           # (longest prompt, longest sample)
+    def where(self, i: int) -> str: ...
+    def get(self, i: int) -> Sample: ...
+    def get_many(self, indices: Sequence[int]) -> list[Sample]: ...
+
+
+def _sizes(row, where: str) -> tuple[int, int]:
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object")
+    for key in REQUIRED:
+        if key not in row:
+            raise UserError(f"{where}: missing field {key!r}")
+    for key in ("prompt", "response"):
+        if not isinstance(row[key], list):
+            raise UserError(f"{where}: {key} must be a list of token ids")
+    return len(row["prompt"]), len(row["response"])
+
+
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise UserError(f"data.path: {path} does not exist")
+
+
+class _Indexed:
+    """Shared bookkeeping of the file sources: per-row lengths and a readable origin."""
+    path: Path
+    prompt_lens: np.ndarray
+    response_lens: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompt_lens)
+
+    def sizes(self, i: int) -> tuple[int, int]:
+        return int(self.prompt_lens[i]), int(self.response_lens[i])
+
+    def longest(self) -> tuple[int, int]:
+        return int(self.prompt_lens.max()), int((self.prompt_lens.astype(np.int64)
+                                                 + self.response_lens).max())
+
+    def first_longer_than(self, budget: int) -> int | None:
+        """The first sample longer than `budget` tokens, from the index alone."""
+        over = np.flatnonzero(self.prompt_lens.astype(np.int64) + self.response_lens > budget)
+        return int(over[0]) if over.size else None
+
+    def index_nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
+    def _sample(self, row, i: int) -> Sample:
+        where = self.where(i)
+        if _sizes(row, where) != self.sizes(i):
+            raise UserError(f"{where}: row changed since the file was opened")
+        return Sample.from_row(row, index=i, where=where)
+
+    def get(self, i: int) -> Sample:
+        return self.get_many([i])[0]
+
+
+class JsonlSource(_Indexed):
+    def __init__(self, path: str | Path, check: Check):
+        self.path = path = Path(path)
+        _require_file(path)
+        offsets, lines, plen, rlen = array("q"), array("i"), array("i"), array("i")
+        pos = 0
+        with path.open("rb") as f:
+            for ln, line in enumerate(f, 1):
+                start, pos = pos, pos + len(line)
+                if not line.strip():
+                    continue
+                where = f"{path}:{ln}"
+                try:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise UserError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+                p, r = _sizes(row, where)
+                check(row, where)
+                offsets.append(start), lines.append(ln), plen.append(p), rlen.append(r)
+        if not offsets:
+            raise UserError(f"{path}: no rows")
+        self.offsets = np.frombuffer(offsets, dtype=np.int64)
+        self.lines = np.frombuffer(lines, dtype=np.int32)
+        self.prompt_lens = np.frombuffer(plen, dtype=np.int32)
+        self.response_lens = np.frombuffer(rlen, dtype=np.int32)
+        self._fh = None
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{int(self.lines[i])}"
+
+    def get_many(self, indices: Sequence[int]) -> list[Sample]:
+        if self._fh is None:
+            self._fh = self.path.open("rb")
+        out: dict[int, Sample] = {}
+        for i in sorted(set(indices), key=lambda i: self.offsets[i]):   # forward seeks only
+            self._fh.seek(int(self.offsets[i]))
+            out[i] = self._sample(json.loads(self._fh.readline()), i)
+        return [out[i] for i in indices]
+
+    def __del__(self):
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+
+
+class ParquetSource(_Indexed):
+    SCAN_ROWS = 16      # rows turned into Python objects at once while validating
+
+    def __init__(self, path: str | Path, check: Check):
+        import pyarrow.parquet as pq
+
+        self.path = path = Path(path)
+        _require_file(path)
+        try:
+            self._file = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises its own error types for a file it cannot read
+            raise UserError(f"{path}: not a readable Parquet file ({e})") from None
+        names = set(self._file.schema_arrow.names)
+        for key in REQUIRED:
+            if key not in names:
+                raise UserError(f"{path}: missing column {key!r}")
+        self.columns = [k for k in FIELDS if k in names]
+        meta = self._file.metadata
+        self.group_starts = np.cumsum([0] + [meta.row_group(g).num_rows
+                                             for g in range(meta.num_row_groups)], dtype=np.int64)
+        plen, rlen = array("i"), array("i")
+        i = 0
+        for g in range(meta.num_row_groups):
+            group = self._file.read_row_group(g, columns=self.columns)
+            for batch in group.to_batches(max_chunksize=self.SCAN_ROWS):
+                for row in batch.to_pylist():
+                    where, row = self.where(i), _drop_nulls(row)
+                    p, r = _sizes(row, where)
+                    check(row, where)
+                    plen.append(p), rlen.append(r)
+                    i += 1
+            group = batch = None     # a batch slice would keep the group's buffers alive
+        if not plen:
+            raise UserError(f"{path}: no rows")
+        self.prompt_lens = np.frombuffer(plen, dtype=np.int32)
+        self.response_lens = np.frombuffer(rlen, dtype=np.int32)
+        self._cached: tuple[int, object] | None = None
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:row {i}"
+
+    def _group(self, g: int):
+        if self._cached is None or self._cached[0] != g:
+            self._cached = (g, self._file.read_row_group(g, columns=self.columns))
+        return self._cached[1]
+
+    def get_many(self, indices: Sequence[int]) -> list[Sample]:
+        out: dict[int, Sample] = {}
+        for i in sorted(set(indices)):      # each row group loaded once
+            g = int(np.searchsorted(self.group_starts, i, side="right")) - 1
+            row = self._group(g).slice(i - int(self.group_starts[g]), 1).to_pylist()[0]
+            out[i] = self._sample(_drop_nulls(row), i)
+        return [out[i] for i in indices]
+
+
+def _drop_nulls(row: dict) -> dict:
+    """A Parquet column holds every field for every row; a null is a field the row lacks."""
+    return {k: v for k, v in row.items() if v is not None}
