@@ -329,6 +329,23 @@ def test_verify_names_the_damaged_file(runs):
     one_error_line(runs["verify_empty"])
 
 
+def test_old_copy_named_by_latest_mid_resave_counts_and_is_kept(runs, tmp_path):
+    """A kill between the renames of a re-save leaves `latest` on the step's old copy, under a
+    tmp name: it verifies, and the lock holder's cleanup of dead saves' leftovers keeps it."""
+    from longmoe.train.ckpt_dir import remove_stale_tmp
+    from longmoe.train.ckpt_verify import verify
+    ck = tmp_path / "ck"
+    shutil.copytree(runs["dir"] / "ckS", ck)
+    aside = f"{STEP4}.tmp-old-0badc0de"
+    os.replace(ck / STEP4, ck / aside)
+    (ck / "latest").write_text(aside)
+    (ck / "step-00000007.tmp-dead").mkdir()
+    report = verify(ck)
+    assert report["latest"] == aside and [c["ok"] for c in report["checkpoints"]] == [True]
+    assert remove_stale_tmp(ck) == ["step-00000007.tmp-dead"]
+    assert (ck / aside / "manifest.json").is_file()
+
+
 # ---- in-process pieces -------------------------------------------------------------------------
 
 def test_lock_is_exclusive_and_released(tmp_path):
@@ -363,3 +380,46 @@ def test_digest_is_streamed_over_chunks(tmp_path):
     finally:
         ckpt_manifest._CHUNK = old
     assert got == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs a directory nobody may create files in")
+def test_unwritable_checkpoint_dir_is_refused():
+    from longmoe.errors import UserError
+    from longmoe.train.ckpt_dir import claim
+    with pytest.raises(UserError, match="--checkpoint-dir: /sys is not writable"):
+        claim("/sys")
+
+
+def test_rank_side_loaders_refuse_pickles(tmp_path):
+    """What the ranks use inside dcp.load, should a file change after the launcher's check."""
+    import io
+
+    from longmoe.errors import UserError
+    from longmoe.train.ckpt_safe import WeightsOnlyPlanner, read_dcp_metadata
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+    marker = tmp_path / "marker"
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("optim.lr"),
+                    dest_offsets=(), storage_index=MetadataIndex("optim.lr"),
+                    storage_offsets=(), lengths=())
+    with pytest.raises(UserError, match="entry 'optim.lr': refused to load it"):
+        WeightsOnlyPlanner(tmp_path).load_bytes(item, io.BytesIO(bomb_bytes(marker)))
+    data = bomb_bytes(marker)
+    (tmp_path / ".metadata").write_bytes(data)
+    manifest = {"files": {".metadata": {"size": len(data),
+                                        "sha256": hashlib.sha256(data).hexdigest()}}}
+    with pytest.raises(UserError, match="metadata: refused to read it: it names io.open"):
+        read_dcp_metadata(tmp_path, manifest)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--overwrite"], "--overwrite"),
+    (["--overwrite", "--resume", "--checkpoint-dir", "ck"], "--overwrite"),
+    (["--allow-batch-change", "--checkpoint-dir", "ck"], "--allow-batch-change"),
+])
+def test_flag_combinations_are_checked(capsys, argv, flag):
+    from longmoe.cli import main
+    assert main(["train", "--config", "cpu_demo", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}:"), err

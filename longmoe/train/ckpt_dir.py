@@ -6,7 +6,9 @@ and the file then only records who held it last. Holding the lock makes a run th
 only writer, which is what lets it remove the temporary leftovers of runs that died mid-save.
 
 DIR/latest names the newest published step directory; names of the form `*.tmp-*` are never
-published (a save in progress, or one that died).
+published (a save in progress, or one that died). One exception: while a save replaces a step
+directory of the same step, the old copy waits under step-N.tmp-old-<nonce> and `latest` names
+it, so a kill between the two renames leaves `latest` on a complete copy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from longmoe.errors import UserError
 LOCK = ".lock"
 POINTER = "latest"
 _STEP = re.compile(r"step-(\d{8})")
+_ASIDE = re.compile(r"step-\d{8}\.tmp-old-[0-9a-f]{8}")
 
 
 def step_name(step: int) -> str:
@@ -80,6 +83,8 @@ def claim(ckpt_dir: str | Path) -> DirLock:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--checkpoint-dir: cannot create {root} ({e.strerror})") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"--checkpoint-dir: {root} is not writable")
     return DirLock(root)
 
 
@@ -97,7 +102,7 @@ def pointer(root: Path) -> Path | None:
         name = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"checkpoint {path}: unreadable ({e})") from None
-    if not _STEP.fullmatch(name):
+    if not (_STEP.fullmatch(name) or _ASIDE.fullmatch(name)):
         raise UserError(f"checkpoint {path}: names {name[:40]!r}, not a step directory")
     if not (root / name).is_dir():
         raise UserError(f"checkpoint {path}: names {name}, which does not exist")
@@ -143,7 +148,13 @@ def holds_checkpoints(root: Path) -> str | None:
 def remove_stale_tmp(root: Path) -> list[str]:
     """Leftovers of saves that died (`*.tmp-*`). Only for the lock holder: nobody else writes."""
     removed = []
+    try:
+        named = (root / POINTER).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        named = None
     for stale in sorted(root.glob("*.tmp-*")):
+        if stale.name == named:  # a step's old copy that a killed re-save left named
+            continue
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
         else:

@@ -113,7 +113,8 @@ def _check_shape(path: Path, m, step_dir: Path):
         bad("expected a JSON object")
     if m.get("format") != FORMAT:
         bad(f"format is {m.get('format')!r}, this longmoe reads {FORMAT!r}")
-    if not isinstance(m.get("step"), int) or step_dir.name != f"step-{m['step']:08d}":
+    if not isinstance(m.get("step"), int) or \
+            step_dir.name.split(".", 1)[0] != f"step-{m['step']:08d}":
         bad(f"step {m.get('step')!r} does not match the directory name {step_dir.name}")
     ident = m.get("identity")
     if not isinstance(ident, dict) or not isinstance(ident.get("config_sha256"), str) or any(
