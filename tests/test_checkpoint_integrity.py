@@ -142,17 +142,15 @@ DAMAGE = {
 }
 
 
-def wait_for_lock_holder(lock: Path, pid: int, proc: subprocess.Popen):
+def wait_for_first_step(metrics: Path, proc: subprocess.Popen):
+    """Step 1 is logged: the launcher holds the lock, has cleaned up, and the ranks train."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            if json.loads(lock.read_text())["pid"] == pid:
-                return
-        except (OSError, ValueError, KeyError):
-            pass
+        if metrics.exists() and metrics.read_text().strip():
+            return
         time.sleep(0.05)
-    raise AssertionError("the run never took the directory's lock")
+    raise AssertionError("the base run never logged a step")
 
 
 @pytest.fixture(scope="module")
@@ -161,22 +159,25 @@ def runs(tmp_path_factory):
     r = {"dir": d}
     base = subprocess.Popen(
         [sys.executable, "-m", "longmoe", "train", *SMALL, "--steps", "4", "--set",
-         "train.checkpoint_every=2", "--checkpoint-dir", "ckS"],
-        cwd=d, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "train.checkpoint_every=2", "--checkpoint-dir", "ckS", "--metrics-out", "mS.jsonl"],
+        cwd=d, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
     try:
-        wait_for_lock_holder(d / "ckS" / ".lock", base.pid, base)
-        # Stopped, the launcher still holds the lock: the second run meets a live owner.
-        os.kill(base.pid, signal.SIGSTOP)
+        wait_for_first_step(d / "mS.jsonl", base)
+        # The whole run stopped (launcher and ranks) still holds the lock: the second run meets
+        # a live owner, and the tmp directory planted now is there for the step-4 save at least.
+        os.killpg(base.pid, signal.SIGSTOP)
+        assert not (d / "ckS" / STEP4).exists(), "the base run finished before it was stopped"
         (d / "ckS" / PEER_TMP).mkdir()
         r["second"] = train(d, 2, "ckS", "--overwrite")
         r["base_alive_during_second"] = base.poll() is None
-        os.kill(base.pid, signal.SIGCONT)
+        os.killpg(base.pid, signal.SIGCONT)
         out, err = base.communicate(timeout=TIMEOUT_S)
     finally:
         if base.poll() is None:
-            base.kill()
+            os.killpg(base.pid, signal.SIGKILL)
     assert base.returncode == 0, err[-3000:]
-    r["base_out"] = out
+    r["base_out"], r["base_pid"] = out, base.pid
     ck = d / "ckS"
     r["peer_tmp_survived"] = (ck / PEER_TMP).is_dir()
     shutil.rmtree(ck / PEER_TMP)
@@ -221,6 +222,7 @@ def test_second_run_on_a_held_directory_is_refused(runs):
     line = one_error_line(runs["second"])
     assert "ckS" in line and "in use by another run" in line, line
     holder = json.loads((runs["dir"] / "ckS" / ".lock").read_text())
+    assert holder["pid"] == runs["base_pid"]  # the launching process, not a rank
     assert f"pid {holder['pid']} on {holder['host']}" in line, line
 
 

@@ -36,9 +36,8 @@ from torch.distributed.tensor import DTensor
 from longmoe.errors import UserError
 from longmoe.train.ckpt_dir import (fsync_dir, named_step, published_steps, remove_except,
                                     step_name, write_pointer)
-from longmoe.train.ckpt_manifest import (META, config_view, read_manifest, read_meta,
-                                         run_identity, sha256_file, verify_step,
-                                         write_manifest)
+from longmoe.train.ckpt_manifest import (META, config_view, read_meta, run_identity,
+                                         sha256_file, verify_step, write_manifest)
 from longmoe.train.ckpt_safe import (VerifiedReader, WeightsOnlyPlanner, check_contents,
                                      load_rng, read_dcp_metadata, rng_name, save_rng)
 
@@ -201,10 +200,10 @@ def resume_point(ckpt_dir: str | Path, run, identity: dict, allow_batch_change: 
     a UserError naming the file or field: complete by the manifest (`full`: every sha256, and
     every pickled piece parsed by an unpickler that cannot run code; the launcher does this
     before ranks start, ranks repeat the cheap part), same model, same global batch."""
-    path = latest(ckpt_dir, full)
+    path = named_step(ckpt_dir)
     if path is None:
         return None
-    manifest = read_manifest(path)
+    manifest = verify_step(path, full)
     meta = read_meta(path, manifest)
     if full:
         check_contents(path, manifest, read_dcp_metadata(path, manifest))

@@ -88,6 +88,10 @@ def claim(ckpt_dir: str | Path) -> DirLock:
     return DirLock(root)
 
 
+def is_step_dir_name(name: str) -> bool:
+    return bool(_STEP.fullmatch(name) or _ASIDE.fullmatch(name))
+
+
 def published_steps(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir()
                   if p.is_dir() and (m := _STEP.fullmatch(p.name)))
@@ -102,7 +106,7 @@ def pointer(root: Path) -> Path | None:
         name = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"checkpoint {path}: unreadable ({e})") from None
-    if not (_STEP.fullmatch(name) or _ASIDE.fullmatch(name)):
+    if not is_step_dir_name(name):
         raise UserError(f"checkpoint {path}: names {name[:40]!r}, not a step directory")
     if not (root / name).is_dir():
         raise UserError(f"checkpoint {path}: names {name}, which does not exist")

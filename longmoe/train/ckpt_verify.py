@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from longmoe.errors import UserError
-from longmoe.train.ckpt_dir import POINTER, named_step, published_steps, step_name
+from longmoe.train.ckpt_dir import (POINTER, is_step_dir_name, named_step, published_steps,
+                                    step_name)
 from longmoe.train.ckpt_manifest import MANIFEST, read_meta, verify_step
 
 
@@ -47,7 +48,7 @@ def verify(target: str | Path, all_steps: bool = False) -> dict:
     root = Path(target)
     if not root.is_dir():
         raise UserError(f"checkpoint verify: {root} is not a directory")
-    if (root / MANIFEST).exists():
+    if (root / MANIFEST).exists() or is_step_dir_name(root.name):
         return {"dir": str(root.parent), "latest": None, "checkpoints": [check_step(root)]}
     report = {"dir": str(root), "latest": None, "checkpoints": []}
     try:
