@@ -7,6 +7,7 @@
   bench     benchmarks whose JSON results are committed (linear-ce, moe-layer)
   recipe    plan TP/PP/EP/CP, recompute and chunks for a model, GPU type, count and length
   tune      measure and cache the chunk count of chunked EP for this machine (or --predict)
+  checkpoint  verify checkpoints against their manifests without loading them
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ def _cmd_train(a) -> int:
         overrides.append(f"train.nproc={a.nproc}")
     if a.resume and not a.checkpoint_dir:
         raise UserError("--resume: needs --checkpoint-dir")
+    if a.overwrite and (a.resume or not a.checkpoint_dir):
+        raise UserError("--overwrite: needs --checkpoint-dir, and excludes --resume")
+    if a.allow_batch_change and not a.resume:
+        raise UserError("--allow-batch-change: applies only with --resume")
     run = load_run_config(a.config, overrides)
     if a.checkpoint_dir and not run.parallel.fsdp and run.parallel.param_dtype != "float32":
         raise UserError("parallel.fsdp: checkpoints of fsdp=false runs need param_dtype=float32 "
                         f"(got {run.parallel.param_dtype}: fp32 master copies are not saved)")
     opts = RunOptions(metrics_out=a.metrics_out, checkpoint_dir=a.checkpoint_dir, resume=a.resume,
-                      profile_dir=a.profile)
+                      profile_dir=a.profile, overwrite=a.overwrite,
+                      allow_batch_change=a.allow_batch_change)
     return launch(run, run.train.nproc, opts)
 
 
@@ -243,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--metrics-out", help="write one JSON object per step to this file")
     t.add_argument("--checkpoint-dir", help="save DCP checkpoints here")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="train from step 0 into a --checkpoint-dir that holds checkpoints: they "
+                        "stay until this run publishes its first one, then are removed")
+    t.add_argument("--allow-batch-change", action="store_true",
+                   help="--resume at another global batch than the checkpoint was trained with")
     t.add_argument("--profile", metavar="DIR",
                    help="profile the third step: per-rank op table and Chrome trace into DIR")
     t.set_defaults(fn=_cmd_train)
@@ -355,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="flash-linear-attention's Gated DeltaNet kernels instead of ours")
     kc.set_defaults(fn=_cmd_kernels)
 
+    from longmoe.train.ckpt_verify import add_parser as add_checkpoint_parser
+    add_checkpoint_parser(sub)
     from longmoe.plan.cli import add_parser as add_recipe_parser
     add_recipe_parser(sub)
     from longmoe.tuning.cli import add_parser as add_tune_parser

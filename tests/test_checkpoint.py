@@ -131,7 +131,7 @@ def test_checkpoint_layout(runs):
     assert (ck / "latest").read_text().strip() == "step-00000004"
     step = ck / "step-00000004"
     names = {p.name for p in step.iterdir()}
-    assert {"meta.json", ".metadata", "rng-rank0.pt", "rng-rank1.pt"} <= names, names
+    assert {"manifest.json", "meta.json", ".metadata", "rng-rank0.pt", "rng-rank1.pt"} <= names, names
     assert any(n.endswith(".distcp") for n in names), names
     meta = json.loads((step / "meta.json").read_text())
     assert meta["step"] == 4 and meta["layout"] == {"world": 2, "ep": 2, "cp": 1}

@@ -1,9 +1,13 @@
-"""Checkpoints through torch.distributed.checkpoint (DCP), written atomically.
+"""Checkpoints through torch.distributed.checkpoint (DCP), written atomically, verified on read.
 
-Layout: DIR/step-00000012/ holds the DCP shards, meta.json (step, config) and rng-rank{r}.pt.
-Each save goes to DIR/step-N.tmp-<nonce>/ and becomes visible only through os.replace after every
-rank finished; DIR/latest (also replaced atomically) names the newest complete step. A crash
-mid-save leaves a .tmp directory that is never loaded and is cleaned by the next save.
+Layout: DIR/step-00000012/ holds the DCP shards and their `.metadata`, rng-rank{r}.pt (each rank's
+generator states as uint8 tensors), meta.json (the model and run config, for compatibility checks)
+and manifest.json (size and sha256 of every other file, and the run identity: config hash, global
+batch, world, EP, CP, step; ckpt_manifest.py). Each save goes to DIR/step-N.tmp-<nonce>/, gets
+its manifest there, and becomes visible only through os.replace after every rank finished;
+DIR/latest (also replaced atomically) names the newest published step. Nothing in a checkpoint is
+unpickled by anything that can run code (ckpt_safe.py); the directory belongs to the one run that
+holds DIR/.lock (ckpt_dir.py), which also removes the leftovers of saves that died.
 
 Resharding: dense parameters are FSDP2 DTensors, which DCP reshards to any world size by itself.
 Expert stacks are EP-local (rank r holds experts [r*L, (r+1)*L), further sharded by FSDP), so the
@@ -19,6 +23,7 @@ import json
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,10 +31,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-
 from torch.distributed.tensor import DTensor
 
 from longmoe.errors import UserError
+from longmoe.train.ckpt_dir import (fsync_dir, named_step, published_steps, remove_except,
+                                    step_name, write_pointer)
+from longmoe.train.ckpt_manifest import (META, config_view, read_meta, run_identity,
+                                         sha256_file, verify_step, write_manifest)
+from longmoe.train.ckpt_safe import (VerifiedReader, WeightsOnlyPlanner, check_contents,
+                                     load_rng, read_dcp_metadata, rng_name, save_rng)
+
+__all__ = ["save", "load", "latest", "resume_point", "remove_earlier", "run_identity",
+           "ResumePoint"]
 
 _EXPERT = "/expert"
 
@@ -92,73 +105,146 @@ def _state(model, optim):
     return flat, msd, osd
 
 
-def save(ckpt_dir: str | Path, step: int, model, optim, meta: dict, backend):
+def _digest_all(tmp: Path) -> dict[str, dict]:
+    """sha256 of every file of the unpublished step directory, each rank a share of the files
+    (the directory is on a filesystem all ranks see: rank 0 renames it)."""
+    rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
+    names = [sorted(p.name for p in tmp.iterdir()) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(names, src=0)
+    mine = {n: sha256_file(tmp / n, durable=True) for n in names[0][rank::world]}
+    if world == 1:
+        return mine
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {k: v for share in shares for k, v in share.items()}
+
+
+def save(ckpt_dir: str | Path, step: int, model, optim, backend, run, identity: dict) -> Path:
+    """Write step `step` and publish it; every rank calls this. `identity`: run_identity()."""
     root = Path(ckpt_dir)
-    final = root / f"step-{step:08d}"
+    final = root / step_name(step)
     nonce = [uuid.uuid4().hex[:8]]
     if dist.is_initialized():
         dist.broadcast_object_list(nonce, src=0)
-    tmp = root / f"step-{step:08d}.tmp-{nonce[0]}"
+    tmp = root / f"{final.name}.tmp-{nonce[0]}"  # ours alone: other tmp names are left alone
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("*.tmp-*"):  # step dirs, and latest.tmp-* files
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.unlink(missing_ok=True)
         tmp.mkdir()
     _barrier()
     dcp.save(_state(model, optim)[0], checkpoint_id=str(tmp))
-    torch.save({"cpu": torch.get_rng_state(), "device": backend.get_rng_state()},
-               tmp / f"rng-rank{_rank()}.pt")
-    _barrier()
+    save_rng(tmp / rng_name(_rank()), backend.get_rng_state())
     if _rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        view = config_view(run)
+        layout = {k: identity[k] for k in ("world", "ep", "cp")}  # informational
+        (tmp / META).write_text(json.dumps({"model": view["model"], "layout": layout,
+                                            "config": view, "step": step}, indent=1))
+    _barrier()
+    files = _digest_all(tmp)
+    if _rank() == 0:
+        write_manifest(tmp, step, files, identity)
+        fsync_dir(tmp)
         # Re-saving a step: move the old copy aside first, so some complete copy is always named
         # by `latest` (the old one until the rename, the new one after).
-        old = root / f"step-{step:08d}.tmp-old-{nonce[0]}"
+        old = root / f"{final.name}.tmp-old-{nonce[0]}"
         if final.exists():
             os.replace(final, old)
-            latest_tmp = root / f"latest.tmp-{nonce[0]}"
-            latest_tmp.write_text(old.name)
-            os.replace(latest_tmp, root / "latest")
+            write_pointer(root, old.name)
         os.replace(tmp, final)
-        latest_tmp = root / f"latest.tmp-{nonce[0]}"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
+        write_pointer(root, final.name)
+        fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
-def latest(ckpt_dir: str | Path) -> Path | None:
-    root = Path(ckpt_dir)
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise UserError(f"checkpoint: {path} is incomplete (no meta.json)")
+def remove_earlier(ckpt_dir: str | Path, keep: Path) -> list[str]:
+    """--overwrite, after the run's first checkpoint is published and named by `latest`: the
+    step directories of earlier runs go (rank 0 removes, every rank returns the names)."""
+    removed = [remove_except(Path(ckpt_dir), keep) if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(removed, src=0)
+    return removed[0]
+
+
+def latest(ckpt_dir: str | Path, full: bool = False) -> Path | None:
+    """The step directory `latest` names, complete by its manifest (sizes; `full`: digests)."""
+    path = named_step(ckpt_dir)
+    if path is not None:
+        verify_step(path, full)
     return path
 
 
-def check_compatible(path: Path, model_cfg: dict):
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("model") != model_cfg:
-        saved = meta.get("model") or {}
-        diff = sorted(k for k in set(model_cfg) | set(saved) if saved.get(k) != model_cfg.get(k))
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    step: int
+    manifest: dict
+    notes: tuple[str, ...]  # what differs from the saving run and is allowed to
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _diff(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def resume_point(ckpt_dir: str | Path, run, identity: dict, allow_batch_change: bool,
+                 full: bool) -> ResumePoint | None:
+    """The checkpoint --resume continues from, or None in a directory without any. Checks, each
+    a UserError naming the file or field: complete by the manifest (`full`: every sha256, and
+    every pickled piece parsed by an unpickler that cannot run code; the launcher does this
+    before ranks start, ranks repeat the cheap part), same model, same global batch."""
+    path = named_step(ckpt_dir)
+    if path is None:
+        return None
+    manifest = verify_step(path, full)
+    meta = read_meta(path, manifest)
+    if full:
+        check_contents(path, manifest, read_dcp_metadata(path, manifest))
+    view = config_view(run)
+    diff = _diff(meta["model"], view["model"])
+    if diff:
         raise UserError(f"checkpoint {path}: model differs from the config in {', '.join(diff)}")
-    return meta
+    saved, now = manifest["identity"], identity
+    notes = []
+    if saved["global_batch"] != now["global_batch"]:
+        if not allow_batch_change:
+            raise UserError(f"checkpoint {path}: trained {saved['global_batch']} sequences per "
+                            f"step (global batch), this run would train {now['global_batch']}; "
+                            f"keep the global batch (data.batch_size) or pass "
+                            f"--allow-batch-change")
+        notes.append(f"global batch {saved['global_batch']} -> {now['global_batch']} sequences "
+                     f"per step (--allow-batch-change)")
+    if any(saved[k] != now[k] for k in ("world", "ep", "cp")):
+        notes.append(f"resharded: saved on {saved['world']} rank(s) with ep={saved['ep']}, "
+                     f"cp={saved['cp']}; now {now['world']} with ep={now['ep']}, cp={now['cp']}")
+    if saved["config_sha256"] != now["config_sha256"]:
+        fields = _diff(meta.get("config") or {}, view) or ["fields meta.json does not record"]
+        notes.append(f"config differs from the checkpoint's in {', '.join(fields)}; this run's "
+                     f"values apply")
+    newer = [s for s in published_steps(path.parent) if s > manifest["step"]]
+    if newer:
+        notes.append(f"{step_name(newer[-1])} is newer than {path.name}, which `latest` names; "
+                     f"resuming from {path.name}")
+    return ResumePoint(path, manifest["step"], manifest, tuple(notes))
 
 
-def load(path: Path, model, optim, backend) -> dict:
+def load(point: ResumePoint, model, optim, backend):
+    """Load weights, AdamW state and this rank's generator states in place."""
+    md = read_dcp_metadata(point.path, point.manifest)  # verified bytes, parsed without code
     flat, msd, osd = _state(model, optim)
-    dcp.load(flat, checkpoint_id=str(path))  # in place: the per-expert views write into msd/osd
+    # in place: the per-expert views write into msd/osd
+    dcp.load(flat, storage_reader=VerifiedReader(point.path, md),
+             planner=WeightsOnlyPlanner(point.path))
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optim, osd)
-    rng_file = path / f"rng-rank{_rank()}.pt"
-    if rng_file.exists():  # a rank the saving run did not have starts from its seed
-        rng = torch.load(rng_file, weights_only=False)
+    rng = load_rng(point.path, _rank(), point.manifest)
+    if rng is not None:  # a rank the saving run did not have starts from its seed
         torch.set_rng_state(rng["cpu"])
-        backend.set_rng_state(rng["device"])
-    return json.loads((path / "meta.json").read_text())
+        backend.set_rng_state(rng.get("device"))

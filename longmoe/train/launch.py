@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict
 
 import torch.multiprocessing as mp
 
 from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
 from longmoe.train import checkpoint as ckpt
+from longmoe.train import ckpt_dir
 from longmoe.train.config import RunConfig
 from longmoe.train.data import read_jsonl
 from longmoe.train.impl_check import check_named_impls, check_on_rank
@@ -84,17 +84,36 @@ def check_hf_init(run: RunConfig):
                             f"model has {a!r}")
 
 
-def check_resume(run: RunConfig, opts: RunOptions):
-    """An incomplete or incompatible checkpoint is bad input too: name it before any rank starts
-    (the ranks repeat the check; without this a rank dies and the user reads its traceback's tail).
-    Validated layouts keep ep == run.parallel.ep, the value the ranks' check compares."""
+def claim_checkpoint_dir(run: RunConfig, opts: RunOptions, world: int):
+    """Before any rank starts: the checkpoint directory is a writable directory and ours (its
+    lock, returned, is held for as long as the caller keeps the object: the whole run), a fresh
+    run does not start over beside checkpoints it would replace, and a resume's checkpoint is
+    whole and fits. Then the leftovers of saves that died are removed: we are the only writer."""
+    if not opts.checkpoint_dir:
+        return None
+    lock = ckpt_dir.claim(opts.checkpoint_dir)
+    try:
+        held = ckpt_dir.holds_checkpoints(lock.root)
+        if held and not (opts.resume or opts.overwrite):
+            raise UserError(f"--checkpoint-dir: {lock.root} already holds checkpoints (latest: "
+                            f"{held}); pass --resume to continue from them, or --overwrite to "
+                            f"train from step 0 and replace them")
+        check_resume(run, opts, world)
+        ckpt_dir.remove_stale_tmp(lock.root)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def check_resume(run: RunConfig, opts: RunOptions, world: int):
+    """A damaged, crafted, incomplete or incompatible checkpoint is bad input too: name the file
+    before any rank starts (every digest, every pickled piece parsed without running code; the
+    ranks repeat the cheap checks). Validated layouts keep ep == run.parallel.ep."""
     if not (opts.resume and opts.checkpoint_dir):
         return
-    path = ckpt.latest(opts.checkpoint_dir)
-    if path is not None:
-        model_meta = asdict(run.model)
-        model_meta["layer_types"] = list(model_meta["layer_types"])  # as JSON gives it back
-        ckpt.check_compatible(path, model_meta)
+    identity = ckpt.run_identity(run, world, run.parallel.ep, run.parallel.cp)
+    ckpt.resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change, full=True)
 
 
 def _fresh_metrics(opts: RunOptions):
@@ -115,8 +134,8 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         world = int(os.environ["WORLD_SIZE"])
         backend = validate(run, world)
-        check_resume(run, opts)
-        if int(os.environ["RANK"]) == 0:  # the only writer of the metrics file
+        if int(os.environ["RANK"]) == 0:  # the only writer of the metrics file and checkpoints
+            owner = claim_checkpoint_dir(run, opts, world)  # noqa: F841 - held until we return
             _fresh_metrics(opts)
         local = int(os.environ.get("LOCAL_RANK", 0))
         check_on_rank(run, backend, local)
@@ -129,7 +148,7 @@ def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
             dist.destroy_process_group()
         return 0
     validate(run, nproc)
-    check_resume(run, opts)
+    owner = claim_checkpoint_dir(run, opts, nproc)  # noqa: F841 - held until we return
     _fresh_metrics(opts)
     rdzv = rendezvous_file()
     try:

@@ -34,6 +34,8 @@ class RunOptions:
     checkpoint_dir: str | None = None
     resume: bool = False
     profile_dir: str | None = None   # profile one step (the third, or the last of fewer)
+    overwrite: bool = False          # start at step 0; the first save replaces what DIR held
+    allow_batch_change: bool = False  # resume at another global batch than the checkpoint's
 
 
 def resolve_backend(device: str) -> Backend:
@@ -101,15 +103,19 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     model_meta["layer_types"] = list(model_meta["layer_types"])
 
     start = 0
+    identity = ckpt.run_identity(run, world, layout.ep, layout.cp)
+    replaced = not opts.overwrite  # --overwrite: the first save removes the earlier checkpoints
     if opts.resume and opts.checkpoint_dir:
-        path = ckpt.latest(opts.checkpoint_dir)
-        if path is not None:
-            ckpt.check_compatible(path, model_meta)
-            meta = ckpt.load(path, model, optim, backend)
-            start = meta["step"]
+        point = ckpt.resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change,
+                                  full=False)  # the launcher checked every digest
+        if point is not None:
+            ckpt.load(point, model, optim, backend)
+            start = point.step
             for _ in range(start):
                 sched.step()
-            progress.info(f"resumed from {path} at step {start}")
+            progress.info(f"resumed from {point.path} at step {start}")
+            for note in point.notes:
+                progress.info(f"resume: {note}")
         else:
             progress.info(f"no checkpoint in {opts.checkpoint_dir}; starting fresh")
     progress.info(f"longmoe: {world} rank(s) on {backend.name}, ep={layout.ep}, "
@@ -178,10 +184,12 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         every = run.train.checkpoint_every
         last = step + 1 == run.train.steps
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
-            saved_by = {"world": world, "ep": layout.ep, "cp": layout.cp}  # informational
-            path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim,
-                             {"model": model_meta, "layout": saved_by}, backend)
+            path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim, backend, run, identity)
             progress.info(f"checkpoint: {path}")
+            if not replaced:
+                removed, replaced = ckpt.remove_earlier(opts.checkpoint_dir, path), True
+                if removed:
+                    progress.info(f"--overwrite: removed the earlier {', '.join(removed)}")
     if run.train.export_hf:
         from longmoe.model.hf import export_hf
         out = export_hf(model, run.model, run.train.export_hf,

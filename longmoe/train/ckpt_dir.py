@@ -1,0 +1,197 @@
+"""A checkpoint directory and who owns it.
+
+DIR/.lock is held (fcntl.flock, exclusive) by the launching process for the whole run, so two
+runs never write one directory; the kernel drops the lock when its holder dies, even by SIGKILL,
+and the file then only records who held it last. Holding the lock makes a run the directory's
+only writer, which is what lets it remove the temporary leftovers of runs that died mid-save.
+
+DIR/latest names the newest published step directory; names of the form `*.tmp-*` are never
+published (a save in progress, or one that died). One exception: while a save replaces a step
+directory of the same step, the old copy waits under step-N.tmp-old-<nonce> and `latest` names
+it, so a kill between the two renames leaves `latest` on a complete copy.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from longmoe.errors import UserError
+
+LOCK = ".lock"
+POINTER = "latest"
+_STEP = re.compile(r"step-(\d{8})")
+_ASIDE = re.compile(r"step-\d{8}\.tmp-old-[0-9a-f]{8}")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class DirLock:
+    """The exclusive lock on DIR/.lock, released by release() or when the process ends."""
+
+    def __init__(self, root: Path):
+        self.root, self._fd = root, None
+        path = root / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"--checkpoint-dir: {root} is not writable ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise UserError(f"--checkpoint-dir: {root} is in use by another run ({holder}); "
+                            f"a checkpoint directory belongs to one run at a time") from None
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+
+    def release(self):
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    def __del__(self):
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"pid {info['pid']} on {info['host']}, since {info['started']}"
+    except (ValueError, KeyError, TypeError, OSError):
+        return "holder not recorded yet"
+
+
+def claim(ckpt_dir: str | Path) -> DirLock:
+    """The directory exists (created if need be), is a writable directory, and is ours."""
+    root = Path(ckpt_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--checkpoint-dir: {root} exists and is not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--checkpoint-dir: cannot create {root} ({e.strerror})") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"--checkpoint-dir: {root} is not writable")
+    return DirLock(root)
+
+
+def is_step_dir_name(name: str) -> bool:
+    return bool(_STEP.fullmatch(name) or _ASIDE.fullmatch(name))
+
+
+def published_steps(root: Path) -> list[int]:
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if p.is_dir() and (m := _STEP.fullmatch(p.name)))
+
+
+def pointer(root: Path) -> Path | None:
+    """The step directory `latest` names (None without a pointer); UserError if it names none."""
+    path = root / POINTER
+    if not path.is_file():
+        return None
+    try:
+        name = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"checkpoint {path}: unreadable ({e})") from None
+    if not is_step_dir_name(name):
+        raise UserError(f"checkpoint {path}: names {name[:40]!r}, not a step directory")
+    if not (root / name).is_dir():
+        raise UserError(f"checkpoint {path}: names {name}, which does not exist")
+    return root / name
+
+
+def named_step(ckpt_dir: str | Path) -> Path | None:
+    """The step directory `latest` names (None in a directory without checkpoints). Step
+    directories without a pointer are an error: resuming would start over beside them."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    path = pointer(root)
+    if path is None:
+        steps = published_steps(root)
+        if steps:
+            raise UserError(f"checkpoint {root / POINTER}: missing, but {root} holds "
+                            f"{step_name(steps[-1])}; write its name into {POINTER} to resume "
+                            f"from it, or pass --overwrite")
+        return None
+    return path
+
+
+def write_pointer(root: Path, name: str):
+    tmp = root / f"{POINTER}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(name)
+    os.replace(tmp, root / POINTER)
+
+
+def holds_checkpoints(root: Path) -> str | None:
+    """What a fresh run would replace: `latest`'s target or the newest step, else None."""
+    if not root.is_dir():
+        return None
+    if (root / POINTER).exists():
+        try:
+            return (root / POINTER).read_text().strip()[:40] or POINTER
+        except (OSError, UnicodeDecodeError):
+            return POINTER
+    steps = published_steps(root)
+    return step_name(steps[-1]) if steps else None
+
+
+def remove_stale_tmp(root: Path) -> list[str]:
+    """Leftovers of saves that died (`*.tmp-*`). Only for the lock holder: nobody else writes."""
+    removed = []
+    try:
+        named = (root / POINTER).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        named = None
+    for stale in sorted(root.glob("*.tmp-*")):
+        if stale.name == named:  # a step's old copy that a killed re-save left named
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale.name)
+    return removed
+
+
+def remove_except(root: Path, keep: Path) -> list[str]:
+    """Every published step directory but `keep` (an --overwrite run's first checkpoint).
+    Each is renamed to a tmp name first, so a kill mid-removal leaves debris, never a published
+    directory with files missing."""
+    removed = []
+    for step in published_steps(root):
+        path = root / step_name(step)
+        if path.name == keep.name:
+            continue
+        doomed = root / f"{path.name}.tmp-removed-{uuid.uuid4().hex[:8]}"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
+def fsync_dir(path: Path):
+    """Make renames inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
