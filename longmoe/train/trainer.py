@@ -33,6 +33,7 @@ from longmoe.train.precision import MasterWeights
 from longmoe.train.impl_check import check_on_rank
 from longmoe.train.setup import all_finite, build_model, clip_grad_norm, torch_dtype
 from longmoe.train.step import forward_backward, global_token_count, local_batch
+from longmoe.train.supervise import TrainingStopped
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,6 @@ class RunOptions:
     checkpoint_dir: str | None = None
     resume: bool = False
     profile_dir: str | None = None   # profile one step (the third, or the last of fewer)
-
-
-class TrainingStopped(Exception):
-    """The run stopped itself (non-finite steps or weights); the message is the one line to show."""
-    exit_code = 3
 
 
 def resolve_backend(device: str) -> Backend:
@@ -246,7 +242,7 @@ def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, ren
     """Entry of a spawned rank (single node: rank == local_rank). `rendezvous` is a file path
     unique to this launch: a file store cannot collide with another job the way a probed
     free TCP port can when several launches start at once. A multi-rank caller must leave the
-    process with os._exit (see longmoe.train.launch): interpreter finalisation can abort while
+    process with os._exit (longmoe.train.supervise does): interpreter finalisation can abort while
     gloo's worker threads still hold tensors, after all work has finished and been written."""
     backend = resolve_backend(run.train.device)
     check_on_rank(run, backend, local_rank)
