@@ -133,18 +133,16 @@ def _launch_and(kill, tmp: Path) -> dict:
         t0 = time.monotonic()
         kill(p.pid, ranks)
         threading.Thread(target=p.stdout.read, daemon=True).start()  # keep the pipe drained
+        while any(_alive(r) for r in ranks) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        gone = time.monotonic() - t0
         try:
-            code = p.wait(timeout=30)
+            code = p.wait(timeout=60)  # the launcher's own exit: interpreter teardown after torch
         except subprocess.TimeoutExpired:
             code = None
-        ended = time.monotonic() - t0
-        deadline = time.monotonic() + 5
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
         reader.join(5)
-        return {"code": code, "s": ended, "ranks_alive": [r for r in ranks if _alive(r)],
-                "ranks_gone_s": time.monotonic() - t0, "stderr": "".join(err),
-                "tmp": sorted(x.name for x in tmpdir.iterdir())}
+        return {"code": code, "ranks_alive": [r for r in ranks if _alive(r)], "ranks_gone_s": gone,
+                "stderr": "".join(err), "tmp": sorted(x.name for x in tmpdir.iterdir())}
     finally:
         if p.poll() is None:
             p.kill()
@@ -178,13 +176,13 @@ def test_rank_killed_by_sigkill_is_named(killed):
     assert len(errors) == 1 and errors[0].startswith("error: rank 1 was killed by SIGKILL"), \
         r["stderr"][-3000:]
     assert "Traceback" not in r["stderr"], r["stderr"][-3000:]
-    assert r["s"] < 5 and r["ranks_alive"] == [] and r["tmp"] == [], r
+    assert r["ranks_gone_s"] < 5 and r["ranks_alive"] == [] and r["tmp"] == [], r
 
 
 def test_sigint_to_the_launcher_stops_every_rank(killed):
     r = killed["sigint"]
     assert r["code"] == 128 + signal.SIGINT, r["stderr"][-3000:]
-    assert r["s"] < 5 and r["ranks_alive"] == [], r
+    assert r["ranks_gone_s"] < 5 and r["ranks_alive"] == [], r
     errors = [ln for ln in r["stderr"].splitlines() if ln.startswith("error:")]
     assert errors == ["error: stopped by SIGINT: every rank ended"], r["stderr"][-3000:]
     assert "Traceback" not in r["stderr"]
