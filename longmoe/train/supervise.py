@@ -176,8 +176,9 @@ def _verdict(procs, stopped: set[int], workdir: str) -> int:
     for r, c in enumerate(codes):
         if c is not None and c < 0 and r not in stopped and r not in reports:
             sig = signal.Signals(-c).name
-            oom = " (the kernel's out-of-memory killer sends it)" if -c == signal.SIGKILL else ""
-            say(f"rank {r} was killed by {sig}{oom}")
+            oom = -c == signal.SIGKILL
+            say(f"rank {r} was killed by {sig}"
+                + (" (also what the kernel's out-of-memory killer sends)" if oom else ""))
             return 1
     if reports:
         r, rep = min(reports.items(), key=lambda kv: kv[1]["time"])
@@ -207,7 +208,7 @@ def supervise(target, nproc: int, args: tuple, workdir: str) -> int:
         failed_at = None
         while True:
             running = [p for p in procs if p.exitcode is None]
-            if not running or (failed_at and time.monotonic() - failed_at > GRACE_S):
+            if not running or (failed_at is not None and time.monotonic() - failed_at > GRACE_S):
                 break
             wait([p.sentinel for p in running], timeout=0.2)
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
