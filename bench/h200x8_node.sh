@@ -28,7 +28,7 @@ case "$STAGE" in
             --set model.num_layers="$LAYERS" \
             --set "model.layer_types=[linear_attention,linear_attention,linear_attention,full_attention]" \
             --set parallel.ep="$NPROC" --set parallel.cp="$CP" --set parallel.chunks=auto \
-            --set data.seq_len="$S" --set data.batch_size=1 --set data.prompt_len=1024 \
+            --set data.seq_len="$S" --set data.batch_size=$((NPROC / CP)) --set data.prompt_len=1024 \
             --set train.nproc="$NPROC" \
             --metrics-out "$OUT/train_cp${CP}_t${T}.jsonl" 2>&1 | tail -3 | tee -a "$LOGS/train.log"
       done

@@ -21,7 +21,7 @@ import pytest
 
 TIMEOUT_S = 300
 # Warmup makes the learning rate differ per step, so a resume must also restore the schedule.
-SMALL = ["--config", "cpu_demo", "--set", "data.batch_size=4", "--set", "data.seq_len=64",
+SMALL = ["--config", "cpu_demo", "--set", "data.batch_size=8", "--set", "data.seq_len=64",
          "--set", "data.prompt_len=16", "--set", "optim.warmup_steps=8"]
 # CPU backend pinned so a GPU machine runs the same gloo job. One intra-op thread per rank: two
 # 2-rank runs share 2 cores here, and both runs of a comparison use the same setting.
@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
         r["B2"], r["num_layers"] = b2.result(), layers.result()
         # Resharding: the same global batch (8 sequences) on 4 ranks (EP2 x FSDP2 over experts)
         # saved at step 2, resumed on 2 ranks with EP2, and with EP1.
-        four = ("--nproc", "4", "--set", "data.batch_size=2")
+        four = ("--nproc", "4", "--set", "data.batch_size=8")
         r4 = pool.submit(train, d, 2, "ckR", *four, "--metrics-out", "mR.jsonl")
         ref4 = pool.submit(train, d, 4, "ckQ", *four, "--metrics-out", "mQ.jsonl")
         r["R1"], r["Q"] = r4.result(), ref4.result()

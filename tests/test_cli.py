@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 TIMEOUT_S = 300
-SMALL = ["--set", "data.batch_size=4", "--set", "data.seq_len=64", "--set", "data.prompt_len=16"]
+SMALL = ["--set", "data.seq_len=64", "--set", "data.prompt_len=16"]
 VOCAB = 512  # tiny preset
 # Pinned so a GPU machine runs the same CPU/gloo job; the recipe itself is used as shipped.
 CPU_ENV = {**os.environ, "LONGMOE_BACKEND": "cpu"}
@@ -54,9 +54,10 @@ def _row(prompt, response, advantage, **extra) -> str:
     return json.dumps({"prompt": prompt, "response": response, "advantage": advantage, **extra})
 
 
-# Rows 0-3 form step 1's batch (batch_size=4, one rank) and carry no old_logprobs, so step 1 is
+# Rows 0-3 form step 1's batch (batch_size=4) and carry no old_logprobs, so step 1 is
 # on-policy: every ratio is exactly 1 and the loss is -(sum of trained advantages) / their count,
-# whatever the weights. Rows 4-5 (step 2) bring rollout log-probs. Row 2 overflows seq_len.
+# whatever the weights. Rows 4-5 (step 2) bring rollout log-probs. Row 2 overflows seq_len: the
+# run truncates it (data.overlong=truncate); by default it is an error.
 JSONL_SEQ_LEN = 24
 JSONL_ROWS = [
     {"prompt": [5, 17, 300], "response": [9, 9, 42, 7, 100], "advantage": 0.75},
@@ -91,6 +92,7 @@ def write_inputs(d: Path):
     (d / "bad_token.jsonl").write_text(good + "\n" + _row([1, 2], [3, VOCAB], 1.0) + "\n")
     (d / "malformed.jsonl").write_text(good + "\n\n" + '{"prompt": [1, 2], "response": [3\n')
     (d / "good.jsonl").write_text("\n".join(json.dumps(r) for r in JSONL_ROWS) + "\n")
+    (d / "nan_advantage.jsonl").write_text(good + "\n" + good.replace("1.0", "NaN") + "\n")
     # Left by an earlier run: a run without --resume starts these files afresh.
     for name in ("jsonl_metrics.jsonl", "torchrun_metrics.jsonl"):
         (d / name).write_text(json.dumps({"step": 99, "loss": 1.0}) + "\n")
@@ -118,9 +120,21 @@ BAD_INPUT = {
     "resume_without_dir": (["train", "--config", "cpu_demo", "--resume"],
                            ["--resume", "--checkpoint-dir"]),
     "unknown_recipe": (["train", "--config", "no_such_recipe"], ["--config", "no_such_recipe"]),
-    # 4 x 64 = 256 tokens per rank per layer
-    "chunks_exceed_tokens": (["train", "--config", "cpu_demo", *SMALL, "--set",
-                              "parallel.chunks=257"], ["parallel.chunks", "257", "256"]),
+    # a global batch of 8 on 2 ranks: 4 x 64 = 256 tokens per rank per layer
+    "chunks_exceed_tokens": (["train", "--config", "cpu_demo", *SMALL, "--set", "data.batch_size=8",
+                              "--set", "parallel.chunks=257"], ["parallel.chunks", "257", "256"]),
+    "batch_not_divisible": (["train", "--config", "cpu_demo", "--set", "data.batch_size=33"],
+                            ["data.batch_size", "33", "2 data ranks", "--nproc 2", "parallel.cp 1"]),
+    "overlong_row": (["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
+                      "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
+                      "--set", f"data.seq_len={JSONL_SEQ_LEN}"],
+                     ["good.jsonl:3: response", "data.seq_len=24", "data.overlong"]),
+    "nan_advantage": (["train", "--config", "cpu_demo", "--set", "data.source=jsonl",
+                       "--set", "data.path=nan_advantage.jsonl"],
+                      ["nan_advantage.jsonl:2: advantage", "not a finite"]),
+    "lr_nan": (["train", "--config", "cpu_demo", "--set", "optim.lr=.nan"], ["optim.lr", "finite"]),
+    "checkpoint_every_negative": (["train", "--config", "cpu_demo", "--set",
+                                   "train.checkpoint_every=-1"], ["train.checkpoint_every"]),
     # a named implementation this device cannot run (CPU runs compute in fp32 here)
     "impl_cannot_run": (["train", "--config", "cpu_demo", "--set", "impl.router_matmul=mixed"],
                         ["impl.router_matmul", "mixed", "bf16"]),
@@ -144,7 +158,7 @@ GOOD = {
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
                   "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",
-                  "--steps", "2",
+                  "--set", "data.overlong=truncate", "--steps", "2",
                   "--metrics-out", "jsonl_metrics.jsonl"],
 }
 
@@ -168,7 +182,8 @@ def quick(workdir):
     for name, (argv, _) in BAD_INPUT.items():
         futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
     futures["torchrun"] = pool.submit(
-        torchrun, "train", "--config", "cpu_demo", *SMALL, "--set", "parallel.ep=1",
+        torchrun, "train", "--config", "cpu_demo", *SMALL, "--set", "data.batch_size=4",
+        "--set", "parallel.ep=1",
         "--steps", "1", "--metrics-out", "torchrun_metrics.jsonl", cwd=workdir)
     yield futures
     pool.shutdown(wait=True)
@@ -233,6 +248,8 @@ def test_jsonl_run_packs_the_rows(quick, workdir):
     adv = [[a for i in pick for a in trained_advantages(JSONL_ROWS[i], JSONL_SEQ_LEN)]
            for pick in picks]
     assert [r["trained_tokens"] for r in rows] == [len(a) for a in adv]
+    assert [r["truncated_samples"] for r in rows] == [1, 0]  # row 2, in step 1
+    assert "1 truncated (line 3)" in " ".join(p.stdout.split())
     # On-policy step: ratio 1, the clipped surrogate is -mean(advantage) over trained tokens.
     assert rows[0]["loss"] == pytest.approx(-sum(adv[0]) / len(adv[0]), rel=1e-5, abs=1e-6)
 

@@ -28,7 +28,7 @@ def test_world4_ep2_fsdp2_matches_world1():
     # EP=2 x FSDP over the 2 ranks left: experts are sharded by FSDP too.
     seed = random.randrange(2**31)
     res = step_case(4, seed, ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
-                    batch_size=2)
+                    batch_size=8)
     assert res.ok, (seed, res.failures())
 
 
@@ -95,5 +95,6 @@ def test_hybrid_context_parallel_matches_world1(nproc, cp, ep):
     # over the CP group, composed in sequence order (CP 1 vs 2 vs 4; CP 2 x EP 2 on 4 ranks).
     seed = random.randrange(2**31)
     res = step_case(nproc, seed, ep=ep, chunks=2, recompute="full", fsdp=True,
-                    linear_ce="chunked", preset="tiny-hybrid", num_layers=4, cp=cp, batch_size=2)
+                    linear_ce="chunked", preset="tiny-hybrid", num_layers=4, cp=cp,
+                    batch_size=2 * nproc // cp)
     assert res.ok, (seed, res.failures())

@@ -33,7 +33,7 @@ def run(tmp_path, name, recompute):
     args = [*BASE, "--nproc", str(ranks), "--set", f"parallel.ep={ep}", "--set", f"parallel.cp={cp}",
             "--set", f"parallel.fsdp={'true' if fsdp else 'false'}", "--set", f"impl.linear_ce={ce}",
             "--set", f"parallel.recompute={recompute}", "--set", f"parallel.chunks={2 if ep > 1 else 1}",
-            "--set", f"data.batch_size={GLOBAL_BATCH * cp // ranks}", "--metrics-out", str(out)]
+            "--set", f"data.batch_size={GLOBAL_BATCH}", "--metrics-out", str(out)]
     if name.endswith("-fused"):
         args += ["--set", "optim.impl=fused"]
     if name == "world1":

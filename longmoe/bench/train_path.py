@@ -124,7 +124,9 @@ def run_path(config: str, nproc: int, tokens: list[int], steps: int, extra: dict
               "versions": backend.versions(), "extra": extra, "runs": []}
     with tempfile.TemporaryDirectory(prefix="longmoe-path-") as tmp:
         for T in tokens:
-            acc: dict = {"data.seq_len": T, "data.batch_size": 1}
+            # one sequence per data rank (data.batch_size is global: ranks / cp of them)
+            acc: dict = {"data.seq_len": T}
+            acc["data.batch_size"] = nproc // _parallel(config, {**acc, **extra}).cp
             for name, change in STAGES:
                 acc = {**acc, **change}
                 if stages and name not in stages:

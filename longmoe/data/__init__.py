@@ -1,1 +1,2 @@
-"""RL policy-update data: samples, sources, packing into token-budget rows, balance across ranks."""
+"""RL policy-update data: checks of single samples, samples, sources, packing into token-budget
+rows, balance across ranks."""

@@ -122,16 +122,14 @@ def _grads_by_name(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step(run, layout, device, seed, data_world):
-    from longmoe.train.data import Batch, SyntheticSource
+def _step(run, layout, device, seed):
+    from longmoe.train.data import SyntheticSource
     from longmoe.train.setup import build_model
     from longmoe.train.step import forward_backward, global_token_count, local_batch
     model = build_model(run, layout, device)
     source = SyntheticSource(run.data, run.model.vocab_size, seed)
-    if layout.world == 1 and data_world > 1:  # the reference sees every rank's batch at once
-        batch = Batch.cat([source.batch(0, r, data_world) for r in range(data_world)])
-    else:
-        batch = source.batch(0, layout.data_rank, data_world)
+    # data.batch_size is global: world 1 (the reference) sees the whole batch at once
+    batch = source.batch(0, layout.data_rank, layout.data_world)
     batch, positions = local_batch(batch.to(device), layout)
     loss, aux, _ = forward_backward(model, batch, run, layout, global_token_count(batch, layout),
                                     positions)
@@ -150,7 +148,7 @@ def _step_rank(rank, world, backend, run_dict, seed):
     from longmoe.train.config import from_dict
     run = from_dict(run_dict)
     layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
-    out = _step(run, layout, backend.device(rank), seed, layout.data_world)
+    out = _step(run, layout, backend.device(rank), seed)
     out["ep_rank"], out["ep"] = layout.ep_rank, layout.ep
     return out
 
@@ -158,6 +156,7 @@ def _step_rank(rank, world, backend, run_dict, seed):
 def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
                   num_layers=2, seq_len=48, batch_size=4, cp=1, cpu_offload=False,
                   preset="tiny", gated_delta="auto") -> dict:
+    """batch_size: the global batch (data.batch_size)."""
     return {"model": {"preset": preset, "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
             "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp,
                          "cp": cp, "cpu_offload": cpu_offload},
@@ -175,14 +174,16 @@ def reference_run(cand: dict) -> dict:
 
 
 def step_case(nproc=2, seed=0, device="cpu", **cand_kw) -> PairedResult:
-    """`device` names a backend: "cpu" runs gloo ranks, a GPU backend one rank per GPU."""
+    """`device` names a backend: "cpu" runs gloo ranks, a GPU backend one rank per GPU.
+    batch_size (the global batch) defaults to 4 sequences per data rank."""
     from longmoe.backends import get_backend
     from longmoe.parallel.mesh import Layout
     from longmoe.train.config import from_dict
+    cand_kw.setdefault("batch_size", 4 * (nproc // cand_kw.get("cp", 1)))
     cand = candidate_run(**cand_kw)
     ranks = run_ranks(_step_rank, nproc, cand, seed, device=device)
     ref = _step(from_dict(reference_run(cand)), Layout(1, 0, 1, None, None, None),
-                get_backend(device).device(0), seed, nproc // cand["parallel"]["cp"])
+                get_backend(device).device(0), seed)
     p = cand["parallel"]
     res = PairedResult("step", f"w{nproc} cp{p['cp']} ep{p['ep']} fsdp={p['fsdp']} recompute={p['recompute']} "
                        f"chunks={p['chunks']} ce={cand['impl']['linear_ce']}",

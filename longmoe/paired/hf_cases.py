@@ -28,7 +28,8 @@ def load_export_case(nproc: int, hf_dir: str, export_dir: str, ids, labels, ep: 
     run = {"model": {"hf_config": f"{hf_dir}/config.json"},
            "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": True},
            "impl": {"gated_delta": "chunked"},
-           "data": {"batch_size": ids.shape[0], "seq_len": ids.shape[1], "prompt_len": 4,
+           # every rank holds the same ids: the global batch is one copy per rank
+           "data": {"batch_size": ids.shape[0] * nproc, "seq_len": ids.shape[1], "prompt_len": 4,
                     "group_size": 1},
            "train": {"init_hf": hf_dir}}
     return run_ranks(_hf_rank, nproc, run, ids, labels, export_dir)

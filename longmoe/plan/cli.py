@@ -178,7 +178,9 @@ def run_config(p: Plan, linear_core: str = "kernel") -> dict:
                      "reduce_dtype": "float32", "cp": p.layout.cp, "pp": p.layout.pp,
                      "tp": p.layout.tp},
         "impl": impl,
-        "data": {"source": "synthetic", "batch_size": w.micro_batch, "seq_len": w.seq_len,
+        # data.batch_size is global: micro_batch sequences on each data-parallel replica
+        "data": {"source": "synthetic", "batch_size": w.micro_batch * p.layout.dp,
+                 "seq_len": w.seq_len,
                  "prompt_len": min(2048, w.seq_len // 2)},
         "loss": {"type": "grpo"},
         "train": {"nproc": min(p.gpus, p.hardware.gpus_per_node)},

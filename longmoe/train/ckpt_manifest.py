@@ -67,8 +67,9 @@ def config_hash(run) -> str:
 
 
 def global_batch(run, world: int, cp: int) -> int:
-    """Sequences per optimizer step over all data-parallel ranks (CP ranks share sequences)."""
-    return run.data.batch_size * (world // cp)
+    """Sequences per optimizer step over all data-parallel ranks: data.batch_size is the global
+    batch (world and cp stay in the signature: the identity records them beside it)."""
+    return run.data.batch_size
 
 
 def run_identity(run, world: int, ep: int, cp: int) -> dict:

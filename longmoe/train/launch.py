@@ -1,12 +1,16 @@
 """`longmoe train`: validate everything that can be wrong with the input, then start N local ranks
-(gloo on CPU, nccl on CUDA/ROCm) or, under torchrun, join the ranks it started."""
+(gloo on CPU, nccl on CUDA/ROCm) under supervision (longmoe.train.supervise: one line for the
+first rank failure, SIGINT/SIGTERM stop every rank, no temporary files left) or, under torchrun,
+join the ranks it started.
+
+Exit codes: 0 done; 1 a rank failed; 2 bad input (also when only a rank could see it); 3 the run
+stopped itself on non-finite steps or weights; 128 + the signal's number when SIGINT/SIGTERM
+stopped the launch.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
-
-import torch.multiprocessing as mp
 
 from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
@@ -16,15 +20,23 @@ from longmoe.train.config import RunConfig
 from longmoe.train.data import read_jsonl
 from longmoe.train.impl_check import check_named_impls, check_on_rank
 from longmoe.train.setup import torch_dtype
+from longmoe.train.supervise import (Interrupted, TrainingStopped, launch_dir, say,
+                                     stop_on_signals, supervise)
 from longmoe.train.trainer import (RunOptions, init_distributed, leave_together, rank_main,
                                    resolve_backend, train)
 
 
-def validate(run: RunConfig, nproc: int):
-    """Every check that needs no process group; raises UserError naming the field."""
+def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
+    """Every check that needs no process group; raises UserError naming the field. `nproc` is the
+    world size; `local_ranks` the ranks on this node (torchrun's LOCAL_WORLD_SIZE; default: all)."""
     validate_layout(nproc, run.parallel.ep, run.model.num_experts, run.parallel.cp,
                     run.parallel.pp, run.parallel.tp)
     cp = run.parallel.cp
+    data_ranks = nproc // cp
+    if run.data.batch_size % data_ranks:
+        raise UserError(f"data.batch_size: the global batch of {run.data.batch_size} sequences "
+                        f"does not split evenly over {data_ranks} data ranks (--nproc {nproc} / "
+                        f"parallel.cp {cp})")
     if cp > 1 and "linear_attention" in run.model.layer_types and \
             run.data.seq_len // (2 * cp) < run.model.linear_conv_kernel - 1:
         raise UserError(f"parallel.cp: pieces of {run.data.seq_len // (2 * cp)} tokens are "
@@ -35,7 +47,7 @@ def validate(run: RunConfig, nproc: int):
     if run.data.seq_len % (2 * cp):
         raise UserError(f"parallel.cp: data.seq_len={run.data.seq_len} does not split into "
                         f"2*cp={2 * cp} equal zigzag pieces")
-    per_rank_tokens = run.data.batch_size * run.data.seq_len // cp
+    per_rank_tokens = run.data.per_rank(data_ranks) * run.data.seq_len // cp
     if run.parallel.chunks != "auto" and run.parallel.chunks > per_rank_tokens:
         raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the "
                         f"{per_rank_tokens} tokens a rank holds per layer")
@@ -48,7 +60,7 @@ def validate(run: RunConfig, nproc: int):
         raise UserError(f"data.seq_len: {run.data.seq_len} exceeds model.max_seq_len="
                         f"{run.model.max_seq_len}")
     if run.data.source == "jsonl":
-        read_jsonl(run.data.path, run.model.vocab_size)
+        read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong)
     try:
         backend = resolve_backend(run.train.device)
     except (ValueError, RuntimeError) as e:
@@ -59,7 +71,10 @@ def validate(run: RunConfig, nproc: int):
         raise UserError(f"parallel.a2a_transport: {e}") from None
     if backend.device_type != "cpu":
         count = backend.probe().get("device_count") or 0
-        if nproc > count:
+        if local_ranks is not None and local_ranks > count:
+            raise UserError(f"LOCAL_WORLD_SIZE: {local_ranks} ranks on this node but only {count} "
+                            f"{backend.name} device(s)")
+        if local_ranks is None and nproc > count:
             raise UserError(f"--nproc: {nproc} ranks but only {count} {backend.name} device(s)")
     else:  # GPU ranks check on their own device (here it would open a device context)
         check_named_impls(run.impl, backend.device(0), torch_dtype(run.parallel.param_dtype))
@@ -116,48 +131,40 @@ def check_resume(run: RunConfig, opts: RunOptions, world: int):
     ckpt.resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change, full=True)
 
 
-def _fresh_metrics(opts: RunOptions):
-    """A new run starts its metrics file empty; a resumed one appends to it."""
-    if opts.metrics_out and os.path.exists(opts.metrics_out) and not opts.resume:
-        os.remove(opts.metrics_out)
-
-
-def rendezvous_file() -> str:
-    """A path that does not exist yet, for a FileStore rendezvous unique to this launch."""
-    fd, path = tempfile.mkstemp(prefix="longmoe-rdzv-")
-    os.close(fd)
-    os.unlink(path)
-    return path
-
-
 def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         world = int(os.environ["WORLD_SIZE"])
-        backend = validate(run, world)
+        backend = validate(run, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if int(os.environ["RANK"]) == 0:  # the only writer of the metrics file and checkpoints
             owner = claim_checkpoint_dir(run, opts, world)  # noqa: F841 - held until we return
-            _fresh_metrics(opts)
         local = int(os.environ.get("LOCAL_RANK", 0))
         check_on_rank(run, backend, local)
         init_distributed(backend, int(os.environ["RANK"]), world, local)
         import torch.distributed as dist
         try:
-            train(run, opts, backend, backend.device(local))
+            code = 0
+            try:
+                train(run, opts, backend, backend.device(local))
+            except TrainingStopped as e:  # every rank stops at the same step
+                if int(os.environ["RANK"]) == 0:
+                    say(str(e))
+                code = e.exit_code
             leave_together()
         finally:
             dist.destroy_process_group()
-        return 0
+        return code
     validate(run, nproc)
     owner = claim_checkpoint_dir(run, opts, nproc)  # noqa: F841 - held until we return
-    _fresh_metrics(opts)
-    rdzv = rendezvous_file()
     try:
-        if nproc == 1:
-            rank_main(0, 1, run, opts, rdzv)
-        else:
-            mp.start_processes(rank_main, args=(nproc, run, opts, rdzv), nprocs=nproc,
-                               start_method="spawn", join=True)
-    finally:
-        if os.path.exists(rdzv):
-            os.unlink(rdzv)
-    return 0
+        with launch_dir() as workdir, stop_on_signals():
+            if nproc > 1:
+                return supervise(rank_main, nproc, (run, opts), workdir)
+            try:
+                rank_main(0, 1, run, opts, os.path.join(workdir, "rendezvous"))
+            except TrainingStopped as e:
+                say(str(e))
+                return e.exit_code
+            return 0
+    except Interrupted as e:
+        say(f"stopped by {e}: every rank ended")
+        return 128 + e.signum
