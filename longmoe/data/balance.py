@@ -208,6 +208,25 @@ def plan_step(sizes: Sequence[tuple[int, int]], world: int, budget: int, overlon
                     _stats(ranks, lengths, cost, budget, pad_multiple, fixed_len))
 
 
+def plan_unpacked(sizes: Sequence[tuple[int, int]], world: int, budget: int,
+                  overlong: str = "error",
+                  where: Callable[[int], str] = lambda k: f"sample {k} of the step",
+                  crossover: float = DEFAULT_CROSSOVER) -> StepPlan:
+    """The padded baseline's plan: every sample alone in a micro-batch of one row of `budget`
+    tokens, ceil(samples / world) micro-batches per rank, dealt like plan_step's so each round
+    of the lockstep has samples of similar cost (the last rounds may hold empty micro-batches)."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    lengths, counts = fit_lengths(sizes, budget, overlong, where)
+    cost = [sample_cost(n, crossover) for n in lengths]
+    items = [k for k, n in enumerate(lengths) if n > 0]
+    M = max(1, math.ceil(len(items) / world))
+    bins = [[k] for k in items] + [[] for _ in range(world * M - len(items))]
+    ranks = _deal(bins, cost, world)
+    return StepPlan(tuple(tuple(r) for r in ranks), tuple(lengths), counts,
+                    _stats(ranks, lengths, cost, budget, 1, True))
+
+
 def _stats(ranks, lengths, cost, budget, pad_multiple, fixed_len) -> PlanStats:
     useful = sum(lengths)
     rows = sum(budget if fixed_len else round_up(max(sum(lengths[k] for k in mb), 1), pad_multiple)

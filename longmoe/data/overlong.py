@@ -28,15 +28,16 @@ class OverlongCounts:
     dropped_tokens: int = 0
 
 
-def overlong_message(where: str, length: int, budget: int) -> str:
-    return (f"{where}: sample of {length} tokens is longer than {BUDGET}={budget} "
+def overlong_message(where: str, length: int, budget: int, setting: str = BUDGET) -> str:
+    return (f"{where}: sample of {length} tokens is longer than {setting}={budget} "
             f"(set data.overlong to drop or truncate to train without it)")
 
 
 def fit_lengths(sizes: Sequence[tuple[int, int]], budget: int, policy: str,
-                where: Callable[[int], str]) -> tuple[list[int], OverlongCounts]:
+                where: Callable[[int], str], setting: str = BUDGET
+                ) -> tuple[list[int], OverlongCounts]:
     """Each sample's length in the step after the policy (0: dropped), from its (prompt,
-    response) sizes; `where(k)` names sample k for the error."""
+    response) sizes; `where(k)` names sample k for the error, `setting` the limit's field."""
     if policy not in POLICIES:
         raise ConfigError("data.overlong", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     out, dropped, truncated, cut, lost = [], 0, 0, 0, 0
@@ -50,27 +51,27 @@ def fit_lengths(sizes: Sequence[tuple[int, int]], budget: int, policy: str,
             dropped, lost = dropped + 1, lost + n
             continue
         if policy == "error":
-            raise UserError(overlong_message(where(k), n, budget))
+            raise UserError(overlong_message(where(k), n, budget, setting))
         if p >= budget:
             raise UserError(f"{where(k)}: prompt of {p} tokens leaves no response token within "
-                            f"{BUDGET}={budget}")
+                            f"{setting}={budget}")
         out.append(budget)
         truncated, cut = truncated + 1, cut + n - budget
     return out, OverlongCounts(dropped, truncated, cut, lost)
 
 
 def check_budget(budget: int, pad_multiple: int = 1, longest_prompt: int | None = None,
-                 policy: str = "error") -> None:
+                 policy: str = "error", setting: str = BUDGET) -> None:
     """Startup checks of the budget against the row padding (the CP zigzag pieces) and the
     longest prompt of a sized source, before any process group starts."""
     if policy not in POLICIES:
         raise ConfigError("data.overlong", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     if budget < 1:
-        raise ConfigError(BUDGET, f"must be >= 1, got {budget}")
+        raise ConfigError(setting, f"must be >= 1, got {budget}")
     if budget % pad_multiple:
-        raise ConfigError(BUDGET, f"{budget} does not divide into rows padded to a multiple of "
-                                  f"{pad_multiple} (2 x context-parallel size, for the zigzag "
-                                  f"split)")
+        raise ConfigError(setting, f"{budget} does not divide into rows padded to a multiple of "
+                                   f"{pad_multiple} (2 x context-parallel size, for the zigzag "
+                                   f"split)")
     if longest_prompt is not None and longest_prompt >= budget and policy != "drop":
-        raise ConfigError(BUDGET, f"{budget} is not longer than the longest prompt "
-                                  f"({longest_prompt} tokens)")
+        raise ConfigError(setting, f"{budget} is not longer than the longest prompt "
+                                   f"({longest_prompt} tokens)")

@@ -69,13 +69,15 @@ def _put(dst: torch.Tensor, run, val: torch.Tensor, keep: torch.Tensor | None, f
 
 
 def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
-              pad_multiple: int = 1) -> PackedBatch:
+              pad_multiple: int = 1, min_len: int = 1) -> PackedBatch:
     """Pack each inner list into one row. No rows (a rank's empty micro-batch) gives one row of
-    padding, so the rank still runs the step's collectives with nothing to train."""
+    padding, so the rank still runs the step's collectives with nothing to train. Without a
+    fixed `seq_len` rows take the longest row's tokens (at least `min_len`) rounded up to
+    `pad_multiple`."""
     if not rows:
         rows = [[]]
     used = [sum(len(s) for s in row) for row in rows]
-    S = round_up(max(max(used), 1), pad_multiple) if seq_len is None else seq_len
+    S = round_up(max(max(used), min_len, 1), pad_multiple) if seq_len is None else seq_len
     if max(used) > S:
         raise ValueError(f"a row of {max(used)} tokens does not fit seq_len={S}")
     if S % pad_multiple:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from longmoe.data.balance import DEFAULT_CROSSOVER, StepPlan, plan_step
+from longmoe.data.balance import DEFAULT_CROSSOVER, StepPlan, plan_step, plan_unpacked
 from longmoe.data.normalise import step_trained_tokens
 from longmoe.data.order import step_indices
 from longmoe.data.overlong import BUDGET, check_budget, overlong_message
@@ -41,19 +41,20 @@ def open_source(kind: str, path: str, check: Check, vocab_size: int, seed: int,
 
 
 def check_source(source: Source, budget: int, overlong: str = "error",
-                 pad_multiple: int = 1) -> None:
+                 pad_multiple: int = 1, setting: str = BUDGET) -> None:
     """Startup checks, before any process group starts: the budget against the row padding and
-    the longest prompt, and under data.overlong=error every sample against the budget."""
+    the longest prompt, and under data.overlong=error every sample against the budget.
+    `setting` names the limit in messages (the budget, or data.seq_len for padded rows)."""
     longest_prompt, longest = source.longest()
-    check_budget(budget, pad_multiple, longest_prompt, overlong)
+    check_budget(budget, pad_multiple, longest_prompt, overlong, setting)
     if overlong != "error" or longest <= budget:
         return
     if source.num_samples is None:
         raise ConfigError("data.response_len", f"draws samples of up to {longest} tokens (with "
-                                               f"the prompt), longer than {BUDGET}={budget}")
+                                               f"the prompt), longer than {setting}={budget}")
     k = source.first_longer_than(budget)
     p, r = source.sizes(k)
-    raise UserError(overlong_message(source.where(k), p + r, budget))
+    raise UserError(overlong_message(source.where(k), p + r, budget, setting))
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,16 @@ class StepBatch:
 def plan_for_step(source: Source, step: int, global_batch: int, world: int, budget: int,
                   seed: int, shuffle: bool = True, overlong: str = "error",
                   crossover: float = DEFAULT_CROSSOVER, pad_multiple: int = 1,
-                  fixed_len: bool = False) -> StepBatch:
-    """The step's global batch (order.py) and its plan (balance.py), from lengths only."""
+                  fixed_len: bool = False, packing: bool = True) -> StepBatch:
+    """The step's global batch (order.py) and its plan (balance.py), from lengths only.
+    `packing=False`: one sample per micro-batch, its row padded to the budget."""
     idx = step_indices(step, global_batch, source.num_samples, seed, shuffle)
-    plan = plan_step([source.sizes(i) for i in idx], world, budget, overlong,
-                     where=lambda k: source.where(idx[k]), crossover=crossover,
+    sizes = [source.sizes(i) for i in idx]
+    where = lambda k: source.where(idx[k])  # noqa: E731
+    if not packing:
+        plan = plan_unpacked(sizes, world, budget, overlong, where, crossover)
+        return StepBatch(step, tuple(idx), plan, budget, pad_multiple, True)
+    plan = plan_step(sizes, world, budget, overlong, where=where, crossover=crossover,
                      pad_multiple=pad_multiple, fixed_len=fixed_len)
     return StepBatch(step, tuple(idx), plan, budget, pad_multiple, fixed_len)
 
@@ -83,13 +89,14 @@ def _samples(source: Source, batch: StepBatch, positions):
     return [s.truncated(batch.plan.lengths[k]) for s, k in zip(got, positions)]
 
 
-def rank_micro_batches(source: Source, batch: StepBatch, rank: int) -> Iterator[PackedBatch]:
-    """Rank `rank`'s micro-batches, each one packed row, read lazily (one micro-batch's samples
-    in memory at a time)."""
+def rank_micro_batches(source: Source, batch: StepBatch, rank: int,
+                       min_len: int = 1) -> Iterator[PackedBatch]:
+    """Rank `rank`'s micro-batches, each one packed row (of at least `min_len` tokens), read
+    lazily (one micro-batch's samples in memory at a time)."""
     for mb in batch.plan.micro_batches[rank]:
         yield pack_rows([_samples(source, batch, mb)],
                         seq_len=batch.budget if batch.fixed_len else None,
-                        pad_multiple=batch.pad_multiple)
+                        pad_multiple=batch.pad_multiple, min_len=min_len)
 
 
 def global_trained_tokens(source: Source, batch: StepBatch) -> int:

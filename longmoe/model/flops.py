@@ -22,7 +22,9 @@ per token) is memory-bound row work, not a matmul (ops/moe_rows.py), and is not 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 from longmoe.config import ModelConfig
 
@@ -77,22 +79,43 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool =
 
 
 def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute="none",
-               causal: bool = True) -> StepFlops:
+               causal: bool = True, lengths: Sequence[int] | None = None) -> StepFlops:
     """FLOPs of one fwd+bwd over `tokens` tokens arranged in sequences of `seq_len`;
-    `recompute` is one policy or one per layer."""
-    per_layer = [layer_forward_flops_per_token(cfg, seq_len, causal, cfg.layer_type(i)) * tokens
-                 for i in range(cfg.num_layers)]
-    layers = sum(per_layer)
-    head = 2 * cfg.hidden_size * cfg.vocab_size * tokens
-    model = 3 * (layers + head)
+    `recompute` is one policy or one per layer. `lengths`: the tokens are instead samples of
+    these lengths (packed rows: attention is per sample, so its core costs the sum over samples
+    of length x (length + 1) / 2 pairs; `tokens` and `seq_len` are then ignored)."""
+    groups = Counter(int(n) for n in lengths if n > 0) if lengths is not None else \
+        {seq_len: tokens / seq_len if seq_len else 0}
     policies = [recompute] * cfg.num_layers if isinstance(recompute, str) else list(recompute)
+    n_tok = sum(L * c for L, c in groups.items())
+    per_layer, core = [], 0.0
+    for i in range(cfg.num_layers):
+        kind = cfg.layer_type(i)
+        per_layer.append(sum(layer_forward_flops_per_token(cfg, L, causal, kind) * L * c
+                             for L, c in groups.items()))
+        core += sum((attention_core_flops_per_token(cfg, L, causal) if kind == "full_attention"
+                     else linear_attention_flops_per_token(cfg)[1]) * L * c
+                    for L, c in groups.items())
+    layers = sum(per_layer)
+    head = 2 * cfg.hidden_size * cfg.vocab_size * n_tok
+    model = 3 * (layers + head)
     extra = sum(f for f, p in zip(per_layer, policies) if p == "full")
-    core = tokens * sum(attention_core_flops_per_token(cfg, seq_len, causal)
-                        if cfg.layer_type(i) == "full_attention"
-                        else linear_attention_flops_per_token(cfg)[1]
-                        for i in range(cfg.num_layers))
     return StepFlops(model=model, hardware=model + extra, forward_layers=layers, forward_head=head,
                      forward_attn_core=core)
+
+
+def balance_crossover(cfg: ModelConfig) -> float:
+    """The sample length at which causal attention's work equals the per-token work of the
+    whole model (longmoe.data.balance.attention_crossover), from the forward FLOPs above."""
+    from longmoe.data.balance import attention_crossover
+    pair = 4 * cfg.num_heads * cfg.head_dim * sum(cfg.layer_type(i) == "full_attention"
+                                                  for i in range(cfg.num_layers))
+    per_token = 2 * cfg.hidden_size * cfg.vocab_size
+    for i in range(cfg.num_layers):
+        kind = cfg.layer_type(i)
+        f = layer_forward_flops_per_token(cfg, 0, True, kind)
+        per_token += f - (attention_core_flops_per_token(cfg, 0) if kind == "full_attention" else 0)
+    return attention_crossover(per_token, pair)
 
 
 def dense_peak_flops(probe: dict) -> float | None:

@@ -18,6 +18,7 @@ from longmoe.errors import ConfigError
 
 _DTYPES = ("float32", "bfloat16", "float16")
 OVERLONG = ("error", "drop", "truncate")
+SOURCES = ("synthetic", "jsonl", "parquet")
 
 
 def _finite(field: str, value, low: float | None = None, strict: bool = False):
@@ -129,37 +130,75 @@ class ImplConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"       # synthetic | jsonl
-    path: str = ""                  # JSONL file for source=jsonl
-    # The global batch: sequences per optimizer step summed over the data ranks (world // cp;
-    # context-parallel ranks share sequences). Each data rank trains batch_size / data ranks, so
-    # a run resumed on another number of ranks trains the same batch.
+    source: str = "synthetic"       # synthetic (the learnable rule task) | jsonl | parquet
+    path: str = ""                  # the file for source=jsonl or parquet
+    # The global batch: samples per optimizer step summed over the data ranks (world // cp;
+    # context-parallel ranks share samples). Without a token budget each data rank trains
+    # batch_size / data ranks of them (so a run resumed on another number of ranks trains the
+    # same batch); with one, the step plan deals them to ranks by cost (docs/packing.md).
     batch_size: int = 4
-    # Tokens per sequence (padded). A sample trains prompt + response <= seq_len + 1 tokens: the
+    # Tokens per padded row (one sample per row, no token budget). A legacy-layout sample
+    # (synthetic without response_len, JSONL) trains prompt + response <= seq_len + 1 tokens: the
     # last response token is only ever a label, never an input.
     seq_len: int = 128
     prompt_len: int = 32            # synthetic prompts
     group_size: int = 4             # synthetic GRPO group: responses per prompt
-    # A JSONL sample longer than that: error (name the file and line), drop it, or truncate its
-    # response; dropped and truncated samples are counted at start and per step.
+    # Synthetic response lengths: fixed:N | uniform:MIN:MAX | lognormal:MEAN:MAX (longmoe.data.
+    # lengths). Unset: responses fill data.seq_len (without a budget exactly as before; with one,
+    # samples of seq_len tokens).
+    response_len: str | int | None = None
+    # The token budget of one micro-batch: a row of at most this many tokens, shared by a
+    # context-parallel group (each CP rank holds budget / cp of them). Unset: one padded sample
+    # per row of seq_len, all of a rank's rows in one forward (no accumulation).
+    max_tokens_per_micro_batch: int | None = None
+    # With a budget: true lays samples end to end in each row (document-causal attention); false
+    # trains one sample per micro-batch, padded to the budget (the padded baseline).
+    packing: bool = True
+    # Packed rows are padded up to a multiple of this many tokens (and of 2 x parallel.cp): fewer
+    # distinct row shapes for compiled kernels, at the cost of some padding.
+    row_multiple: int = 1
+    # File sources: each epoch visits every sample once in a permutation drawn from (train.seed,
+    # epoch); false keeps file order. Synthetic data is endless (no epochs): no effect.
+    shuffle: bool = False
+    # A sample longer than the row (the budget, else seq_len): error (name the file and line),
+    # drop it, or truncate its response; dropped and truncated samples are counted per step.
     overlong: str = "error"
 
     def __post_init__(self):
-        if self.source not in ("synthetic", "jsonl"):
-            raise ConfigError("data.source", f"must be synthetic or jsonl, got {self.source!r}")
-        if self.source == "jsonl" and not self.path:
-            raise ConfigError("data.path", "required when data.source=jsonl")
-        for f in ("batch_size", "seq_len", "prompt_len", "group_size"):
+        if self.source not in SOURCES:
+            raise ConfigError("data.source", f"must be {', '.join(SOURCES)}; got {self.source!r}")
+        if self.source != "synthetic" and not self.path:
+            raise ConfigError("data.path", f"required when data.source={self.source}")
+        for f in ("batch_size", "seq_len", "prompt_len", "group_size", "row_multiple"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"data.{f}", f"must be >= 1, got {getattr(self, f)}")
-        if self.source == "synthetic" and self.prompt_len >= self.seq_len:
+        if self.source == "synthetic" and self.response_len is None and \
+                self.prompt_len >= self.seq_len:
             raise ConfigError("data.prompt_len", f"{self.prompt_len} leaves no room for a "
                                                  f"response in seq_len={self.seq_len}")
         if self.overlong not in OVERLONG:
             raise ConfigError("data.overlong", f"must be {', '.join(OVERLONG)}; got {self.overlong!r}")
+        b = self.max_tokens_per_micro_batch
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ConfigError("data.max_tokens_per_micro_batch",
+                              f"must be an integer >= 1 or null, got {b!r}")
+        for f in ("packing", "shuffle"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"data.{f}", f"expected true or false, got {getattr(self, f)!r}")
+        if self.response_len is not None:
+            if self.source != "synthetic":
+                raise ConfigError("data.response_len", f"applies to data.source=synthetic only "
+                                                       f"(got {self.source})")
+            from longmoe.data.lengths import parse_length
+            if parse_length(self.response_len, "data.response_len").lo < 1:
+                raise ConfigError("data.response_len", "responses need at least 1 token")
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_tokens_per_micro_batch
 
     def per_rank(self, data_ranks: int) -> int:
-        """Sequences each data rank trains per step."""
+        """Sequences each data rank trains per step (without a token budget)."""
         if self.batch_size % data_ranks:
             raise ConfigError("data.batch_size", f"{self.batch_size} sequences do not split "
                                                  f"evenly over {data_ranks} data ranks")

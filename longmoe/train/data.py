@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from longmoe.data.order import step_indices
+from longmoe.data.rule import rule_walk
 from longmoe.data.validate import fit, parse_sample, trained_tokens
 from longmoe.errors import UserError
 from longmoe.train.config import DataConfig
@@ -87,25 +89,6 @@ def _pack(samples: list[dict], seq_len: int, truncated: int = 0) -> Batch:
             old[b, t] = torch.as_tensor(s["old_logprobs"], dtype=torch.float32)[j]
     masked = int(((labels != IGNORE).sum(1) == 0).sum())
     return Batch(ids, labels, adv, old, masked, truncated)
-
-
-def rule_walk(rule, start, follow, noise):
-    """The responses' hidden-rule walk, without a loop over positions: token j is noise[j] where
-    follow[j] is False, else rule applied to token j-1. Equivalently rule^d(anchor), with anchor
-    the last noise token at or before j (or `start`) and d the follow steps since; rule^d comes
-    from binary powers of the permutation (log2 R gathers instead of R sequential steps)."""
-    N, R = follow.shape
-    pos = torch.arange(R).expand(N, R)
-    last = torch.cummax(torch.where(follow, -1, pos), dim=1).values    # last noise position
-    val = torch.where(last >= 0, noise.gather(1, last.clamp(min=0)), start[:, None])
-    d = torch.where(last >= 0, pos - last, pos + 1)
-    power = rule
-    for bit in range(max(1, int(R).bit_length())):
-        take = (d >> bit) & 1 == 1
-        if take.any():
-            val = torch.where(take, power[val], val)
-        power = power[power]
-    return val
 
 
 class SyntheticSource:
@@ -204,21 +187,22 @@ def read_jsonl(path: str | Path, vocab_size: int, seq_len: int,
 
 
 class JsonlSource:
-    def __init__(self, cfg: DataConfig, vocab_size: int, data: JsonlData | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: DataConfig, vocab_size: int, data: JsonlData | None = None,
+                 seed: int = 0):
+        self.cfg, self.seed = cfg, seed
         self.data = data or read_jsonl(cfg.path, vocab_size, cfg.seq_len, cfg.overlong)
 
     def batch(self, step: int, rank: int, world: int) -> Batch:
-        """Rows in file order, wrapping around: step s trains rows [s*B, (s+1)*B) of the
-        global batch B, data rank r its slice of them."""
+        """Rows in file order, wrapping around (data.shuffle: each epoch in its own permutation,
+        longmoe.data.order): step s trains positions [s*B, (s+1)*B) of that sequence, data rank
+        r its slice of them."""
         B, n, rows = self.cfg.batch_size, self.cfg.per_rank(world), self.data.rows
-        first = step * B + rank * n
-        picked = [(first + i) % len(rows) for i in range(n)]
+        picked = step_indices(step, B, len(rows), self.seed, self.cfg.shuffle)[rank * n:(rank + 1) * n]
         return _pack([rows[i] for i in picked], self.cfg.seq_len,
                      truncated=sum(self.data.truncated[i] for i in picked))
 
 
 def make_source(cfg: DataConfig, vocab_size: int, seed: int):
     if cfg.source == "jsonl":
-        return JsonlSource(cfg, vocab_size)
+        return JsonlSource(cfg, vocab_size, seed=seed)
     return SyntheticSource(cfg, vocab_size, seed)

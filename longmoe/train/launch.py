@@ -19,7 +19,8 @@ from longmoe.train import ckpt_dir
 from longmoe.train.config import RunConfig
 from longmoe.train.data import read_jsonl
 from longmoe.train.impl_check import check_named_impls, check_on_rank
-from longmoe.train.setup import torch_dtype
+from longmoe.train.feed import check_data, mode
+from longmoe.train.setup import run_local_tokens, torch_dtype
 from longmoe.train.supervise import (Interrupted, TrainingStopped, launch_dir, say,
                                      stop_on_signals, supervise)
 from longmoe.train.trainer import (RunOptions, init_distributed, leave_together, rank_main,
@@ -33,21 +34,22 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
                     run.parallel.pp, run.parallel.tp)
     cp = run.parallel.cp
     data_ranks = nproc // cp
-    if run.data.batch_size % data_ranks:
+    planned = run.data.budget is not None
+    if not planned and run.data.batch_size % data_ranks:
         raise UserError(f"data.batch_size: the global batch of {run.data.batch_size} sequences "
                         f"does not split evenly over {data_ranks} data ranks (--nproc {nproc} / "
                         f"parallel.cp {cp})")
-    if cp > 1 and "linear_attention" in run.model.layer_types and \
+    if not planned and cp > 1 and "linear_attention" in run.model.layer_types and \
             run.data.seq_len // (2 * cp) < run.model.linear_conv_kernel - 1:
         raise UserError(f"parallel.cp: pieces of {run.data.seq_len // (2 * cp)} tokens are "
                         f"shorter than the Gated DeltaNet conv history "
                         f"({run.model.linear_conv_kernel - 1})")
     if run.train.init_hf:
         check_hf_init(run)
-    if run.data.seq_len % (2 * cp):
+    if not planned and run.data.seq_len % (2 * cp):
         raise UserError(f"parallel.cp: data.seq_len={run.data.seq_len} does not split into "
                         f"2*cp={2 * cp} equal zigzag pieces")
-    per_rank_tokens = run.data.per_rank(data_ranks) * run.data.seq_len // cp
+    per_rank_tokens = run_local_tokens(run, data_ranks, cp)
     if run.parallel.chunks != "auto" and run.parallel.chunks > per_rank_tokens:
         raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the "
                         f"{per_rank_tokens} tokens a rank holds per layer")
@@ -56,11 +58,20 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
             run.parallel.chunks > local_experts:
         raise UserError(f"parallel.chunks: {run.parallel.chunks} exceeds the {local_experts} "
                         f"local experts per rank (parallel.chunk_by=experts)")
-    if run.data.seq_len > run.model.max_seq_len:
+    if not planned and run.data.seq_len > run.model.max_seq_len:
         raise UserError(f"data.seq_len: {run.data.seq_len} exceeds model.max_seq_len="
                         f"{run.model.max_seq_len}")
-    if run.data.source == "jsonl":
-        read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong)
+    if mode(run) == "legacy":
+        if run.data.source == "jsonl":
+            read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong)
+    else:
+        source = check_data(run)
+        longest = source.longest()[1]
+        if planned:
+            longest = min(longest, run.data.budget)
+        if longest > run.model.max_seq_len:
+            raise UserError(f"data: samples of up to {longest} tokens exceed model.max_seq_len="
+                            f"{run.model.max_seq_len} (RoPE positions restart per sample)")
     try:
         backend = resolve_backend(run.train.device)
     except (ValueError, RuntimeError) as e:

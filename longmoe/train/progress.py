@@ -36,6 +36,18 @@ def dumps(row: dict) -> str:
     return json.dumps(strict(row), allow_nan=False)
 
 
+def _packing_note(m: dict) -> str:
+    """Micro-batches, padding and the overlong policy's work, when there is any to report."""
+    out = ""
+    if m.get("micro_batches", 1) > 1 or m.get("padding_share"):
+        out += (f"  {m['micro_batches']} mb, {m['useful_tokens']:,} useful tok, pad "
+                f"{m['padding_share']:.1%}, imbalance {m.get('rank_cost_imbalance', 1.0):.3f}")
+    if m.get("dropped_samples") or m.get("truncated_samples"):
+        out += (f"  data.overlong: {m.get('dropped_samples', 0)} dropped, "
+                f"{m.get('truncated_samples', 0)} truncated")
+    return out
+
+
 def _skip_note(m: dict) -> str:
     if m.get("skipped") == "nonfinite":
         return (f"  SKIPPED: non-finite loss or gradient norm ({m.get('bad_steps', 1)} in a row), "
@@ -95,7 +107,7 @@ class Progress:
             f"{m['hw_tflops_per_gpu']:.3g} hw TFLOPS/rank"
             + (f"  MFU {m['mfu']:.1%}" if m.get("mfu") else "")
             + (f"  {masked} sample(s) with no trained token" if masked else "")
-            + _skip_note(m))
+            + _packing_note(m) + _skip_note(m))
 
     def close(self):
         if self.out:

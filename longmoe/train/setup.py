@@ -43,7 +43,7 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         for block in model.layers:
             block.attn.cp = cp
     backend = active_backend()
-    local_tokens = run.data.per_rank(layout.data_world) * run.data.seq_len // layout.cp
+    local_tokens = run_local_tokens(run, layout.data_world, layout.cp)
     a2a, model.transport_source = resolve_transport(par.a2a_transport, backend, device, layout.ep,
                                                     cfg.hidden_size, cfg.top_k, par.param_dtype,
                                                     local_tokens, par.chunk_by)
@@ -78,6 +78,27 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         from longmoe.model.hf import load_hf
         load_hf(model, run.train.init_hf)
     return model
+
+
+def run_local_tokens(run: RunConfig, data_world: int, cp: int) -> int:
+    """Tokens a rank holds in one forward: its micro-batch row share (the token budget over
+    cp), or without a budget its padded rows."""
+    if run.data.budget is not None:
+        return run.data.budget // cp
+    return run.data.per_rank(data_world) * run.data.seq_len // cp
+
+
+def set_cp_row_length(model: nn.Module, layout: Layout, row_len: int):
+    """Point every context-parallel layer at rows of `row_len` tokens (micro-batch rows vary
+    in length; each length's zigzag bookkeeping is built once)."""
+    cache = model.__dict__.setdefault("_cp_by_len", {})
+    cp = cache.get(row_len)
+    for m in model.modules():
+        cur = getattr(m, "cp", None)
+        if isinstance(cur, ContextParallel) and cur.seq_len != row_len:
+            if cp is None:
+                cp = cache[row_len] = ContextParallel(layout.cp_group, row_len)
+            m.cp = cp
 
 
 def layer_policy(recompute, i: int) -> str:

@@ -1,5 +1,6 @@
 """The per-rank policy-update loop: build the layout and model, then for each step fetch this rank's
-batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW, log, checkpoint.
+micro-batches (longmoe.train.feed), run forward (linear-CE log-probs) and the RL loss, backward,
+accumulating over micro-batches (longmoe.train.step.accumulate), clip, AdamW, log, checkpoint.
 
 A step whose loss or gradient norm is non-finite on any rank is skipped: no AdamW update (its
 moments and step count stay), no master-weight copy, no router expert-bias update. The learning
@@ -27,12 +28,12 @@ from longmoe.ops.gated_delta import gated_delta_choice
 from longmoe.parallel.mesh import build_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
-from longmoe.train.data import make_source
+from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
 from longmoe.train.precision import MasterWeights
 from longmoe.train.impl_check import check_on_rank
 from longmoe.train.setup import all_finite, build_model, clip_grad_norm, torch_dtype
-from longmoe.train.step import forward_backward, global_token_count, local_batch
+from longmoe.train.step import accumulate, step_token_count
 from longmoe.train.supervise import TrainingStopped
 
 
@@ -104,11 +105,11 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                               **kernel[impl])
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
-    source = make_source(run.data, run.model.vocab_size, run.train.seed)
+    feed = Feed(run, layout.data_rank, layout.data_world)
     progress = Progress(rank == 0, run.train.steps, opts.metrics_out, backend.memory_label)
-    data_counts = source.data.counts() if hasattr(source, "data") else {}
-    if data_counts:
-        progress.info(source.data.describe())
+    data_counts = feed.counts()
+    if feed.describe():
+        progress.info(feed.describe())
     peak_flops = dense_peak_flops(backend.probe())
     model_meta = asdict(run.model)
     model_meta["layer_types"] = list(model_meta["layer_types"])
@@ -148,16 +149,15 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
 
     bad_in_a_row = first_bad = 0
     for step in range(start, run.train.steps):
-        batch, positions = local_batch(source.batch(step, layout.data_rank, layout.data_world)
-                                       .to(device), layout)
-        global_tokens = global_token_count(batch, layout)
+        data = feed.step(step)
+        global_tokens = step_token_count(data.trained_tokens, layout, device)
         backend.synchronize()
         backend.reset_peak_memory()
         prof = (step_profiler(backend) if opts.profile_dir
                 and step == min(start + 2, run.train.steps - 1) else None)
         t0 = time.perf_counter()
         with prof or contextlib.nullcontext():
-            loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens, positions)
+            loss, aux, stats = accumulate(model, data.micro, run, layout, global_tokens, device)
             if master:
                 master.grads_to_master()
             gnorm, finite = clip_grad_norm(model, o.grad_clip, layout,
@@ -182,28 +182,9 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
             first_bad = step + 1 if bad_in_a_row == 1 else first_bad
         elif skipped is None:
             bad_in_a_row = 0
-
-        keys = ["entropy", "logprob_sum", "clip_frac"]
-        vals = _sum([float(loss), float(aux), batch.num_tokens, batch.masked, batch.truncated]
-                    + [float(stats.get(k, 0.0)) for k in keys], device)
-        peak, = _sum([backend.peak_memory_bytes()], device, dist.ReduceOp.MAX)
-        slowest, = _sum([dt], device, dist.ReduceOp.MAX)
-        g = max(global_tokens, 1)
-        fl = step_flops(run.model, int(vals[2]), run.data.seq_len, run.parallel.recompute)
-        model_tflops = fl.model / slowest / world / 1e12
-        progress.step({
-            "step": step + 1, "loss": vals[0], "aux_loss": vals[1], "grad_norm": gnorm,
-            "tokens_per_s": vals[2] / slowest, "peak_mem_bytes": int(peak),
-            "step_time_s": slowest, "lr": sched.get_last_lr()[0], "entropy": vals[5] / g,
-            "mean_logprob": vals[6] / g, "clip_frac": vals[7] / g,
-            "trained_tokens": int(global_tokens), "tokens": int(vals[2]),
-            "model_tflops_per_gpu": model_tflops,
-            "hw_tflops_per_gpu": fl.hardware / slowest / world / 1e12,
-            "mfu": model_tflops * 1e12 / peak_flops if peak_flops else None,
-            # a sample sits on each of its cp ranks
-            "masked_samples": round(vals[3] / layout.cp),
-            "truncated_samples": round(vals[4] / layout.cp),
-            "skipped": skipped, "bad_steps": bad_in_a_row})
+        progress.step(step_metrics(run, layout, data, step, loss, aux, stats, gnorm, dt,
+                                   global_tokens, sched.get_last_lr()[0], backend, device,
+                                   peak_flops, skipped, bad_in_a_row))
         if bad_in_a_row >= run.train.max_bad_steps:
             progress.close()
             raise TrainingStopped(
@@ -233,6 +214,46 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                         dtype=torch.bfloat16 if device.type != "cpu" else torch.float32)
         progress.info(f"exported Hugging Face checkpoint: {out}")
     return progress.summary({"world": world, "backend": backend.name, **data_counts})
+
+
+def step_metrics(run: RunConfig, layout, data: StepData, step: int, loss, aux, stats, gnorm,
+                 dt: float, global_tokens: int, lr: float, backend: Backend, device,
+                 peak_flops, skipped, bad_in_a_row) -> dict:
+    """One row of the step log and --metrics-out. Rates and FLOPs count useful tokens only (the
+    samples' own, not padding): tokens_per_s is useful tokens per second of the slowest rank,
+    and the FLOPs are those of the samples as trained (attention per sample, longmoe.model.flops
+    with their lengths), so padding never counts as work done."""
+    cp, world = layout.cp, layout.world
+    fl = step_flops(run.model, 0, 0, run.parallel.recompute, lengths=data.lengths)
+    keys = ["entropy", "logprob_sum", "clip_frac"]
+    # Quantities of a data rank sit on each of its cp ranks: summed over ranks, / cp.
+    vals = _sum([float(loss), float(aux), data.row_tokens / cp, sum(data.lengths) / cp,
+                 data.masked / cp, data.truncated / cp, fl.model / cp, fl.hardware / cp,
+                 data.cost / cp] + [float(stats.get(k, 0.0)) for k in keys], device)
+    peak, slowest, max_cost = _sum([backend.peak_memory_bytes(), dt, data.cost], device,
+                                   dist.ReduceOp.MAX)
+    rows, useful = round(vals[2]), round(vals[3])
+    g = max(global_tokens, 1)
+    model_tflops = vals[6] / slowest / world / 1e12
+    mean_cost = vals[8] / layout.data_world
+    over = data.overlong
+    return {
+        "step": step + 1, "loss": vals[0], "aux_loss": vals[1], "grad_norm": gnorm,
+        "tokens_per_s": useful / slowest, "peak_mem_bytes": int(peak),
+        "step_time_s": slowest, "lr": lr, "entropy": vals[9] / g,
+        "mean_logprob": vals[10] / g, "clip_frac": vals[11] / g,
+        "trained_tokens": int(global_tokens), "tokens": rows, "useful_tokens": useful,
+        "padding_share": (rows - useful) / rows if rows else 0.0,
+        "micro_batches": len(data.micro),
+        "empty_micro_batches": data.plan.empty_micro_batches if data.plan else 0,
+        "rank_cost_imbalance": max_cost / mean_cost if mean_cost else 1.0,
+        "model_tflops_per_gpu": model_tflops,
+        "hw_tflops_per_gpu": vals[7] / slowest / world / 1e12,
+        "mfu": model_tflops * 1e12 / peak_flops if peak_flops else None,
+        "masked_samples": round(vals[4]),
+        "truncated_samples": round(vals[5]) + over.truncated,
+        "dropped_samples": over.dropped, "truncated_tokens": over.truncated_tokens,
+        "skipped": skipped, "bad_steps": bad_in_a_row}
 
 
 def _kept(opts: RunOptions) -> str:

@@ -1,0 +1,113 @@
+"""The learnable synthetic task as a sample source with per-sample response lengths.
+
+GRPO groups of `group_size` responses to one prompt. Each response follows a hidden Markov rule
+(next = perm[prev], perm fixed by the seed) with its own probability q, else takes a uniform
+noise token; its reward is the fraction of rule-following tokens and its advantage the
+group-normalised reward. The rollout policy is uniform (log 1/V), what a freshly initialised
+policy gives, so importance ratios start near 1 and the clipped surrogate falls as the policy
+learns the rule. Response lengths come from a distribution (longmoe.data.lengths), so packed
+micro-batches can be trained on realistic length mixes with a loss that still falls.
+
+Every draw comes from a generator keyed by (seed, kind, sample or group), never from a running
+stream: sample i is the same whichever samples were drawn before it, on whichever rank, however
+many ranks there are. The source is endless (no epochs).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import lru_cache
+
+import torch
+
+from longmoe.data.lengths import LengthDist, parse_length
+from longmoe.data.order import mix
+from longmoe.data.sample import Sample
+from longmoe.errors import ConfigError
+
+# Stream tags: each kind of draw has its own key, so adding one never shifts another.
+_RESPONSE_LEN, _PROMPT_IDS, _FOLLOW = range(11, 14)
+
+
+def rule_walk(rule, start, follow, noise):
+    """The responses' hidden-rule walk, without a loop over positions: token j is noise[j] where
+    follow[j] is False, else rule applied to token j-1. Equivalently rule^d(anchor), with anchor
+    the last noise token at or before j (or `start`) and d the follow steps since; rule^d comes
+    from binary powers of the permutation (log2 R gathers instead of R sequential steps).
+    Shapes: start [N], follow and noise [N, R]."""
+    N, R = follow.shape
+    pos = torch.arange(R).expand(N, R)
+    last = torch.cummax(torch.where(follow, -1, pos), dim=1).values    # last noise position
+    val = torch.where(last >= 0, noise.gather(1, last.clamp(min=0)), start[:, None])
+    d = torch.where(last >= 0, pos - last, pos + 1)
+    power = rule
+    for bit in range(max(1, int(R).bit_length())):
+        take = (d >> bit) & 1 == 1
+        if take.any():
+            val = torch.where(take, power[val], val)
+        power = power[power]
+    return val
+
+
+class RuleSource:
+    num_samples = None      # endless: no epochs
+
+    def __init__(self, vocab_size: int, seed: int, prompt_len: int, response_len: str | int,
+                 group_size: int = 1):
+        if group_size < 1:
+            raise ConfigError("data.group_size", f"must be >= 1, got {group_size}")
+        if prompt_len < 1:
+            raise ConfigError("data.prompt_len", f"must be >= 1, got {prompt_len}")
+        self.vocab, self.seed, self.group_size, self.prompt_len = (vocab_size, seed, group_size,
+                                                                   prompt_len)
+        self.response_dist: LengthDist = parse_length(response_len, "data.response_len")
+        if self.response_dist.lo < 1:
+            raise ConfigError("data.response_len", "responses need at least 1 token")
+        self.rule = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+        self._rewards = lru_cache(maxsize=4096)(self._group_rewards)
+
+    def _gen(self, *key: int) -> torch.Generator:
+        return torch.Generator().manual_seed(mix(self.seed, *key))
+
+    def sizes(self, i: int) -> tuple[int, int]:
+        """(prompt, response) tokens of sample i, without drawing its tokens."""
+        u = random.Random(mix(self.seed, _RESPONSE_LEN, i)).random()
+        return self.prompt_len, self.response_dist.draw(u)
+
+    def longest(self) -> tuple[int, int]:
+        """The longest prompt and sample the distributions can draw."""
+        return self.prompt_len, self.prompt_len + self.response_dist.hi
+
+    def where(self, i: int) -> str:
+        return f"synthetic sample {i}"
+
+    def _follow(self, i: int) -> tuple[torch.Tensor, torch.Generator]:
+        """Which of sample i's response tokens follow the rule, and the generator that then
+        draws its noise tokens."""
+        g = self._gen(_FOLLOW, i)
+        q = float(torch.rand((), generator=g))
+        return torch.rand(self.sizes(i)[1], generator=g) < q, g
+
+    def _group_rewards(self, grp: int) -> tuple[float, ...]:
+        G = self.group_size
+        return tuple(float(self._follow(k)[0].float().mean()) for k in range(grp * G, (grp + 1) * G))
+
+    def get(self, i: int) -> Sample:
+        G = self.group_size
+        grp = i // G
+        P, R = self.sizes(i)
+        prompt = torch.randint(0, self.vocab, (P,), generator=self._gen(_PROMPT_IDS, grp))
+        follow, g = self._follow(i)
+        noise = torch.randint(0, self.vocab, (R,), generator=g)
+        response = rule_walk(self.rule, prompt[-1:], follow[None], noise[None])[0]
+        rewards = self._rewards(grp)
+        mean = sum(rewards) / G
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / G)
+        adv = (rewards[i - grp * G] - mean) / (std + 1e-4)
+        return Sample(prompt=prompt, response=response, advantage=adv,
+                      old_logprobs=torch.full((R,), -math.log(self.vocab)),
+                      index=i, where=self.where(i))
+
+    def get_many(self, indices) -> list[Sample]:
+        return [self.get(i) for i in indices]
