@@ -82,14 +82,14 @@ def check_sample(row: dict, where: str, vocab_size: int) -> None:
         _finite(where, "advantage", a)
     else:
         raise UserError(f"{where}: advantage must be a number or a list of numbers")
-    old = _per_token(row, "old_logprobs", n, where)
-    for i, v in enumerate(old or []):
-        if not _is_number(v):
-            raise UserError(f"{where}: old_logprobs[{i}]: {v!r} is not a number")
-        _finite(where, f"old_logprobs[{i}]", v)
-        if v > 0:
-            raise UserError(f"{where}: old_logprobs[{i}]: {v} is positive (a log-probability "
-                            f"is <= 0)")
+    for key in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        for i, v in enumerate(_per_token(row, key, n, where) or []):
+            if not _is_number(v):
+                raise UserError(f"{where}: {key}[{i}]: {v!r} is not a number")
+            _finite(where, f"{key}[{i}]", v)
+            if v > 0:
+                raise UserError(f"{where}: {key}[{i}]: {v} is positive (a log-probability "
+                                f"is <= 0)")
     for i, v in enumerate(_per_token(row, "loss_mask", n, where) or []):
         if type(v) is not int or v not in (0, 1):
             raise UserError(f"{where}: loss_mask[{i}]: {v!r} is not 0 or 1")
