@@ -139,6 +139,20 @@ def test_packed_micro_batches_with_ep2_fsdp2_reduce_once_per_step():
     _compare(ranks, _world1(_run(seed, batch=12)), seed)
 
 
+@pytest.mark.parametrize("nproc,grad_sync", [(1, "step"), (2, "micro_batch")])
+def test_fsdp_reducing_after_every_micro_batch(nproc, grad_sync):
+    # One FSDP rank (nothing to save by deferring) and parallel.grad_sync=micro_batch reduce
+    # after each micro-batch into sharded gradients that accumulate: the same step.
+    seed = random.randrange(2**31)
+    run = _run(seed, 64, ep=nproc, fsdp=True, batch=8)
+    run["parallel"]["grad_sync"] = grad_sync
+    ranks = run_ranks(_rank, nproc, run, True)
+    units, calls = ranks[0]["reduce_scatters"][0], ranks[0]["reduce_scatters"][1:]
+    if nproc > 1:
+        assert len(calls) == units * ranks[0]["micro"]
+    _compare(ranks, _world1(_run(seed, batch=8)), seed)
+
+
 def test_packed_context_parallel_over_hybrid_layers():
     seed = random.randrange(2**31)
     # Rows padded to a multiple of 2*cp = 4 and at least 12 tokens (the conv history per piece).

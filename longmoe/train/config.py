@@ -53,6 +53,12 @@ class ParallelConfig:
     # optimizer step runs on the CPU (frees ~12 bytes/param of device memory, costs PCIe time).
     cpu_offload: bool = False
     cp: int = 1                     # context parallel: ranks sharing each sequence (zigzag)
+    # With several micro-batches a step: "step" reduces gradients once, in the last micro-batch's
+    # backward (FSDP2 then keeps every gradient unsharded, in reduce_dtype, until then: the local
+    # model's size in memory); "micro_batch" reduce-scatters after each one (sharded gradients
+    # accumulate; one reduction per micro-batch). A single FSDP rank always does the latter: no
+    # communication to save.
+    grad_sync: str = "step"
     pp: int = 1                     # reserved: pipeline parallel
     tp: int = 1                     # reserved: tensor parallel
 
@@ -78,6 +84,9 @@ class ParallelConfig:
         for f in ("param_dtype", "reduce_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ConfigError(f"parallel.{f}", f"must be one of {_DTYPES}")
+        if self.grad_sync not in ("step", "micro_batch"):
+            raise ConfigError("parallel.grad_sync", f"must be step or micro_batch, got "
+                                                    f"{self.grad_sync!r}")
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,13 @@ def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int,
     same number, collectives inside): each one's loss is its token sum over the step's global
     count N, so the accumulated gradient is the one-big-batch gradient. The MoE aux loss is the
     mean over micro-batches of each one's (its balance is measured per micro-batch). FSDP
-    reduces once, in the last backward; replicated gradients sync once, after it; the routers'
-    load becomes the whole step's. Returns (loss, aux loss, logging sums) of this rank."""
+    reduces once, in the last backward (parallel.grad_sync=step; micro_batch, or a single rank:
+    after every backward, into accumulating shards); replicated gradients sync once, after it;
+    the routers' load becomes the whole step's. Returns (loss, aux loss, logging sums) of this rank."""
     from torch.distributed.fsdp import FSDPModule
     M = len(micro)
-    sync = isinstance(model, FSDPModule) and M > 1
+    sync = (isinstance(model, FSDPModule) and M > 1 and layout.world > 1
+            and run.parallel.grad_sync == "step")
     moes = model.moe_layers()
     load = [torch.zeros_like(m.router.last_load) for m in moes]
     loss_sum = aux_sum = None
