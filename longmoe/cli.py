@@ -4,7 +4,7 @@
   doctor    backend, devices, library versions, what is missing
   paired    a candidate implementation against its plain-PyTorch reference
   kernels   compile every Triton kernel config for every GPU target (no GPU needed)
-  bench     benchmarks whose JSON results are committed (linear-ce, moe-layer)
+  bench     benchmarks whose JSON results are committed (linear-ce, moe-layer, packing, ...)
   recipe    plan TP/PP/EP/CP, recompute and chunks for a model, GPU type, count and length
   tune      measure and cache the chunk count of chunked EP for this machine (or --predict)
   checkpoint  verify checkpoints against their manifests without loading them
@@ -223,6 +223,25 @@ def _cmd_bench_path(a) -> int:
     return 0
 
 
+def _cmd_bench_packing(a) -> int:
+    from longmoe.bench.packing import FULL, SMOKE, run_bench, write_report
+    from longmoe.train.config import apply_overrides
+    extra = {}
+    for item in a.set or []:
+        apply_overrides({}, [item])  # same syntax check as train's --set
+        k, v = item.split("=", 1)
+        extra[k.strip()] = v
+    base = SMOKE if a.smoke else FULL
+    kw = {k: (getattr(a, k) if getattr(a, k) is not None else v) for k, v in base.items()
+          if k != "extra"}
+    kw["extra"] = {**base["extra"], **extra}
+    if kw["steps"] < 1:
+        raise UserError(f"--steps: must be >= 1, got {kw['steps']}")
+    report = run_bench(**kw, timeout=a.timeout, out=a.out)
+    write_report(report, a.out)
+    return 0 if all(r["status"] == "ok" for r in report["arms"]) else 1
+
+
 def _expert_shape_args(p):
     """The flags the expert-kernel benches share: the layer's shape, tiles, timing, output."""
     p.add_argument("--tokens", default="16384,65536")
@@ -355,6 +374,34 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--profile", metavar="DIR",
                     help="profile each run's third step into DIR/<stage>-<tokens>/")
     bp.set_defaults(fn=_cmd_bench_path)
+
+    bk = bsub.add_parser("packing", help="a GRPO batch of log-normal lengths: packed token-budget "
+                                         "micro-batches vs padded rows vs full single-sample rows")
+    # Defaults: longmoe.bench.packing.FULL (SMOKE with --smoke); flags given win over both.
+    bk.add_argument("--config", help="base run config (YAML or recipe name; default gpu_smoke)")
+    bk.add_argument("--nproc", type=int)
+    bk.add_argument("--samples", type=int, help="samples of the packed arm's step (default 64)")
+    bk.add_argument("--mean", type=int, help="mean response tokens, log-normal (default 6144)")
+    bk.add_argument("--max-len", type=int,
+                    help="the longest sample, prompt included (default 32768; the response cap "
+                         "is this less --prompt-len); also the full-rows arm's sample")
+    bk.add_argument("--budget", type=int,
+                    help="data.max_tokens_per_micro_batch (default 32768; at least --max-len)")
+    bk.add_argument("--prompt-len", type=int, help="default 1024")
+    bk.add_argument("--row-multiple", type=int,
+                    help="packed rows padded to a multiple of this: fewer shapes to compile "
+                         "(default 1024)")
+    bk.add_argument("--padded-samples", type=int,
+                    help="samples of the padded arm's step, each a full row (default 6)")
+    bk.add_argument("--ref-samples", type=int,
+                    help="samples of the full-rows arm's step (default 2)")
+    bk.add_argument("--steps", type=int, help="steps per arm; the first compiles (default 2)")
+    bk.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every arm")
+    bk.add_argument("--timeout", type=int, default=900, help="seconds per arm")
+    bk.add_argument("--out", help="write the JSON report here")
+    bk.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the cpu_demo model: check the bench runs (seconds)")
+    bk.set_defaults(fn=_cmd_bench_packing)
 
     k = sub.add_parser("kernels", help="compile-check every Triton kernel config per GPU target")
     ksub = k.add_subparsers(dest="kcmd", required=True)

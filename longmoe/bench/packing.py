@@ -1,0 +1,158 @@
+"""`longmoe bench packing`: a GRPO batch of variable-length samples trained packed into token-budget
+micro-batches, against the same distribution in padded rows, and against full single-sample rows
+of the longest length (the throughput a row of the budget reaches when it is all one sample).
+
+Arms, each one `longmoe train` subprocess (longmoe.bench.train_path's runner) on the synthetic
+rule task with log-normal response lengths (data.response_len):
+
+  full rows  every sample exactly --max-len tokens, one per micro-batch row: the reference rate
+  packed     --samples samples, packed end to end into micro-batches of --budget tokens
+             (data.max_tokens_per_micro_batch; rows padded to a multiple of --row-multiple)
+  padded     the same distribution, one sample per micro-batch padded to the budget
+             (data.packing=false); every row costs the same, so --padded-samples (fewer) measure
+             its rate
+
+Per arm, over the steps after the first (which compiles): the median useful tokens/s (the
+samples' own tokens, padding excluded, per second), step time, padding share, micro-batches per
+step, hardware TFLOPS, and the peak memory over all steps. The report adds the packed and padded
+rates over the full-rows rate and the packed arm's peak over the full rows' peak.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from longmoe.bench import write_json_and_table
+from longmoe.bench.train_path import _rows, _run
+
+# The issue-sized run: one H200 rank's share of a 64-sample GRPO step (mean response 6K tokens,
+# at most 32K with the prompt) in micro-batches of 32K tokens.
+FULL = {"config": "gpu_smoke", "samples": 64, "mean": 6144, "max_len": 32768, "budget": 32768,
+        "prompt_len": 1024, "steps": 2, "padded_samples": 6, "ref_samples": 2,
+        "row_multiple": 1024, "nproc": 1, "extra": {}}
+SMOKE = {"config": "cpu_demo", "samples": 8, "mean": 24, "max_len": 96, "budget": 128,
+         "prompt_len": 8, "steps": 2, "padded_samples": 4, "ref_samples": 2, "row_multiple": 1,
+         "nproc": 1, "extra": {"parallel.ep": 1, "data.group_size": 4}}
+
+
+def arms(samples: int, mean: int, max_len: int, budget: int, prompt_len: int,
+         padded_samples: int, ref_samples: int, row_multiple: int) -> list[tuple[str, dict]]:
+    """(name, --set overrides) of each arm."""
+    from longmoe.errors import UserError
+    if max_len <= prompt_len:
+        raise UserError(f"--max-len: {max_len} leaves no response after --prompt-len {prompt_len}")
+    if budget < max_len:
+        raise UserError(f"--budget: {budget} is shorter than the longest sample (--max-len "
+                        f"{max_len}); the padded and full-rows arms need a row of it")
+    if not 1 <= mean < max_len - prompt_len:
+        raise UserError(f"--mean: must be in [1, {max_len - prompt_len}) (the longest response)")
+    for flag, v in (("--samples", samples), ("--padded-samples", padded_samples),
+                    ("--ref-samples", ref_samples), ("--row-multiple", row_multiple)):
+        if v < 1:
+            raise UserError(f"{flag}: must be >= 1, got {v}")
+    resp_max = max_len - prompt_len
+    common = {"data.source": "synthetic", "data.prompt_len": prompt_len,
+              "data.seq_len": max_len, "data.max_tokens_per_micro_batch": budget}
+    lognormal = f"lognormal:{mean}:{resp_max}"
+    return [
+        ("full rows", {**common, "data.batch_size": ref_samples, "data.packing": "false",
+                       "data.max_tokens_per_micro_batch": max_len,
+                       "data.response_len": f"fixed:{resp_max}"}),
+        ("packed", {**common, "data.batch_size": samples, "data.packing": "true",
+                    "data.row_multiple": row_multiple, "data.response_len": lognormal}),
+        ("padded", {**common, "data.batch_size": padded_samples, "data.packing": "false",
+                    "data.response_len": lognormal}),
+    ]
+
+
+def _summary(rows: list[dict]) -> dict:
+    timed = rows[1:] or rows
+    med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
+    return {"useful_tokens_per_s": med("tokens_per_s"), "step_time_s": med("step_time_s"),
+            "padding_share": med("padding_share"), "micro_batches": med("micro_batches"),
+            "useful_tokens_per_step": med("useful_tokens"), "tokens_per_step": med("tokens"),
+            "rank_cost_imbalance": med("rank_cost_imbalance"),
+            "hw_tflops_per_gpu": med("hw_tflops_per_gpu"),
+            "peak_mem_gib": max(r["peak_mem_bytes"] for r in rows) / 2**30,
+            "steps_timed": len(timed)}
+
+
+def run_bench(config: str, nproc: int, samples: int, mean: int, max_len: int, budget: int,
+              prompt_len: int, steps: int, padded_samples: int, ref_samples: int,
+              row_multiple: int, extra: dict, timeout: int, out: str | None = None) -> dict:
+    from longmoe.backends import active_backend
+    backend = active_backend()
+    report = {"bench": "packing", "config": config, "nproc": nproc, "samples": samples,
+              "response_len": f"lognormal:{mean}:{max_len - prompt_len}",
+              "prompt_len": prompt_len, "max_len": max_len, "budget": budget,
+              "row_multiple": row_multiple, "steps": steps, "extra": extra,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": backend.probe().get("device_name") or backend.name,
+              "versions": backend.versions(), "arms": []}
+    with tempfile.TemporaryDirectory(prefix="longmoe-packing-") as tmp:
+        for name, sets in arms(samples, mean, max_len, budget, prompt_len, padded_samples,
+                               ref_samples, row_multiple):
+            metrics = Path(tmp) / f"{name.replace(' ', '_')}.jsonl"
+            res = _run(config, nproc, {**sets, **extra}, steps, metrics, timeout)
+            row = {"arm": name, "samples": sets["data.batch_size"],
+                   "budget": sets["data.max_tokens_per_micro_batch"], "status": res["status"],
+                   "cmd": res["cmd"]}
+            if res["status"] == "ok":
+                row.update(_summary(_rows(metrics)), first_loss=res["first_loss"],
+                           last_loss=res["last_loss"], step_times_s=res["step_times_s"])
+            else:
+                row.update(error=res.get("error"), log_tail=res.get("log_tail"))
+            report["arms"].append(row)
+            if out:  # after every arm: a run cut short keeps what it measured
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                Path(out).write_text(json.dumps(report, indent=1))
+            print(f"{name:<10} " + (f"{row['useful_tokens_per_s']:,.0f} useful tok/s, padding "
+                                    f"{row['padding_share']:.1%}, peak {row['peak_mem_gib']:.1f} GiB"
+                                    if res["status"] == "ok" else
+                                    f"{res['status']}: {res.get('error', '')}"), flush=True)
+    report["ratios"] = ratios(report["arms"])
+    return report
+
+
+def ratios(rows: list[dict]) -> dict:
+    by = {r["arm"]: r for r in rows if r["status"] == "ok"}
+    ref = by.get("full rows")
+    if not ref:
+        return {}
+    out = {}
+    for arm in ("packed", "padded"):
+        if arm in by:
+            out[f"{arm}_tokens_per_s_over_full_rows"] = (by[arm]["useful_tokens_per_s"]
+                                                         / ref["useful_tokens_per_s"])
+    if "packed" in by:
+        out["packed_peak_over_full_rows"] = by["packed"]["peak_mem_gib"] / ref["peak_mem_gib"]
+    return out
+
+
+def markdown_table(report: dict) -> str:
+    lines = [f"GRPO batch: {report['samples']} samples, prompt {report['prompt_len']} + response "
+             f"{report['response_len']} tokens; micro-batches of {report['budget']:,} tokens "
+             f"(rows to a multiple of {report['row_multiple']}); medians over steps after the "
+             f"first of {report['steps']}.", "",
+             "| arm | samples/step | useful tok/s | step s | padding | micro-batches | "
+             "hw TFLOPS/GPU | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["arms"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['arm']} | {r['samples']} | {r['status']} | | | | | |")
+            continue
+        lines.append(f"| {r['arm']} | {r['samples']} | {r['useful_tokens_per_s']:,.0f} | "
+                     f"{r['step_time_s']:.2f} | {r['padding_share']:.1%} | "
+                     f"{r['micro_batches']:g} | {r['hw_tflops_per_gpu']:.1f} | "
+                     f"{r['peak_mem_gib']:.2f} |")
+    rt = report.get("ratios") or {}
+    if rt:
+        lines += ["", "; ".join(f"{k.replace('_', ' ')}: {v:.3f}" for k, v in rt.items())]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: str | None):
+    write_json_and_table(report, out, markdown_table)
