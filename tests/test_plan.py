@@ -402,3 +402,30 @@ def test_ep_chunks_never_exceed_the_local_experts():
     cfg = get_preset(Q35).replace(num_experts=16, num_layers=4)
     p = plan(cfg, get_hardware("h200"), 8, Workload(65536), model_name=Q35)
     assert p.layout.ep == 8 and p.ep_chunks == 2 and "capped" in p.reasons["ep_chunks"]
+
+
+def test_recipe_plans_in_tokens_per_micro_batch(tmp_path, capsys):
+    cfg = get_preset(Q35)
+    p = _plan(Q35, "h100", 32, 65536, micro_batch=2)
+    assert p.to_dict()["max_tokens_per_micro_batch"] == 131072
+    run = run_config(p)
+    assert run["data"]["max_tokens_per_micro_batch"] == 131072
+    assert from_dict(run).data.budget == 131072
+    # The estimate is in tokens: two 64K samples in a row cost what one 128K sample does.
+    lay = p.layout
+    assert estimate(cfg, lay, Workload(65536, 2)).peak == estimate(cfg, lay, Workload(131072)).peak
+    # One reduction per step keeps the local model's fp32 gradients whole across micro-batches.
+    base = estimate(cfg, lay, Workload(131072))
+    step = estimate(cfg, lay, Workload(131072, grad_sync="step"))
+    ps = param_split(cfg)
+    whole = 4 * (cfg.num_layers * (ps["layer_dense"] + ps["layer_experts"] / lay.ep)
+                 + ps["embed"] + ps["head"])
+    assert abs((step.peak - base.peak) - whole) <= 2 and step.grads > base.grads
+    out = tmp_path / "r.yaml"
+    assert main(["--model", Q35, "--hardware", "h100", "--gpus", "32", "--seq-len", "131072",
+                 "--grad-sync", "step", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gradients reduced per step" in text and "grad_sync=step" in text
+    r = load_run_config(str(out))
+    assert r.parallel.grad_sync == "step" and r.data.budget == 131072
+    assert "--grad-sync step" in out.read_text().splitlines()[0]

@@ -48,6 +48,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="FSDP2 (longmoe) or a Megatron-style distributed optimizer (comparison)")
     r.add_argument("--logits", default="linear_ce", choices=["linear_ce", "naive"])
     r.add_argument("--ep-chunks", type=int, default=0, help="chunked EP pieces (0: tuning default)")
+    r.add_argument("--grad-sync", default="micro_batch", choices=["micro_batch", "step"],
+                   help="gradient reduction with several micro-batches a step: after each "
+                        "(sharded gradients; default) or once per step (unsharded fp32 "
+                        "gradients held across micro-batches, counted in the estimate)")
     r.add_argument("--linear-core", default="kernel", choices=["kernel", "compiled", "chunked"],
                    help="Gated DeltaNet memory: a fused kernel (fla; attention-sized, assumed), "
                         "longmoe's core compiled (counted; the GPU default where fla cannot run) "
@@ -80,7 +84,7 @@ def make_plan(a) -> tuple[Plan, ModelConfig]:
     keep = a.keep_last if a.keep_last == "auto" else _nonneg_int(a.keep_last, "--keep-last")
     cfg, hw = resolve_model(a.model), get_hardware(a.hardware)
     w = Workload(a.seq_len, a.micro_batch, a.recompute, a.sharding, a.logits == "linear_ce",
-                 ep_chunks=a.ep_chunks)
+                 ep_chunks=a.ep_chunks, grad_sync=getattr(a, "grad_sync", "micro_batch"))
     return plan(cfg, hw, a.gpus, w, model_name=a.model, tp=a.tp, headroom=a.headroom,
                 a=Assumptions(linear_core=a.linear_core), keep_last=keep), cfg
 
@@ -128,6 +132,8 @@ def _argv_of(a) -> list[str]:
         out += ["--tp", str(a.tp)]
     if a.linear_core != "kernel":
         out += ["--linear-core", a.linear_core]
+    if getattr(a, "grad_sync", "micro_batch") != "micro_batch":
+        out += ["--grad-sync", a.grad_sync]
     return out
 
 
@@ -138,7 +144,9 @@ def render_table(p: Plan) -> str:
         f"({hw.usable_gib} GiB usable, planning budget {p.budget_bytes / GiB:.1f} GiB)",
         f"  {lay.label} (DP {lay.dp}), {w.recompute} recompute, {w.sharding}, "
         f"{'linear CE' if w.linear_ce else 'naive logits'}, {p.ep_chunks} EP chunk(s)",
-        f"  local sequence {p.local_seq:,} tokens; estimated peak {m.peak / GiB:.1f} GiB per GPU"]
+        f"  local sequence {p.local_seq:,} tokens; estimated peak {m.peak / GiB:.1f} GiB per GPU",
+        f"  micro-batch budget {w.tokens_per_micro_batch:,} tokens "
+        f"(data.max_tokens_per_micro_batch), gradients reduced per {w.grad_sync}"]
     if p.keep_fits > w.keep_last:
         lines.append(f"  {p.keep_fits} trailing layer(s) could skip recompute within the budget "
                      f"(--keep-last auto; now {w.keep_last})")
@@ -176,12 +184,15 @@ def run_config(p: Plan, linear_core: str = "kernel") -> dict:
                                    + ["none"] * w.keep_last),
                      "param_dtype": "bfloat16",
                      "reduce_dtype": "float32", "cp": p.layout.cp, "pp": p.layout.pp,
-                     "tp": p.layout.tp},
+                     "tp": p.layout.tp, "grad_sync": w.grad_sync},
         "impl": impl,
         # data.batch_size is global: micro_batch sequences on each data-parallel replica
+        # The planned token budget of one micro-batch row (each GPU of its CP x TP group holds
+        # 1/(CP x TP) of it); seq_len is the synthetic samples' length.
         "data": {"source": "synthetic", "batch_size": w.micro_batch * p.layout.dp,
                  "seq_len": w.seq_len,
-                 "prompt_len": min(2048, w.seq_len // 2)},
+                 "prompt_len": min(2048, w.seq_len // 2),
+                 "max_tokens_per_micro_batch": w.tokens_per_micro_batch},
         "loss": {"type": "grpo"},
         "train": {"nproc": min(p.gpus, p.hardware.gpus_per_node)},
     }

@@ -83,6 +83,17 @@ class Workload:
     # With recompute full/selective: the last `keep_last` layers store their activations instead
     # (their backward runs first, so they are freed before any recomputed layer's working set).
     keep_last: int = 0
+    # Several micro-batches a step (token-budget rows, longmoe.train.step.accumulate): "step"
+    # reduces gradients once per step, so FSDP2 keeps every gradient unsharded in fp32 until the
+    # last micro-batch (the local model's size, on every rank); "micro_batch" reduce-scatters
+    # after each one and only shards accumulate (no term beyond one micro-batch's).
+    grad_sync: str = "micro_batch"
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """The token budget of one micro-batch row set (data.max_tokens_per_micro_batch), shared
+        by a CP x TP group; each of its GPUs holds 1/(CP x TP) of it."""
+        return self.seq_len * self.micro_batch
 
     def __post_init__(self):
         if self.seq_len < 1 or self.micro_batch < 1:
@@ -93,6 +104,8 @@ class Workload:
             raise ConfigError("recompute", f"must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sharding not in SHARDING:
             raise ConfigError("sharding", f"must be one of {SHARDING}, got {self.sharding!r}")
+        if self.grad_sync not in ("micro_batch", "step"):
+            raise ConfigError("grad_sync", f"must be micro_batch or step, got {self.grad_sync!r}")
 
 
 @dataclass(frozen=True)
@@ -449,6 +462,14 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     n.setdefault("grads", "fp32 shards produced as backward proceeds (FSDP2)")
     n["margin"] = f"{a.fragmentation:.0%} of the dynamic bytes (allocator fragmentation)"
 
+    if fsdp and w.grad_sync == "step" and lay.dp_cp * lay.pp > 1:
+        # Deferred reduction: the unsharded fp32 gradient of every local parameter lives from
+        # the first micro-batch's backward to the last one's (freed unit by unit there; counted
+        # whole in every phase).
+        whole = a.grad_bytes * (dense + layers_exp)
+        phases = [(ph, g + whole, *rest) for ph, g, *rest in phases]
+        n["grads"] = (f"fp32 shards + the unsharded fp32 gradients kept across micro-batches "
+                      f"({whole / GiB:.1f} GiB, grad_sync=step)")
     best = None
     for phase, g, acts, wk, dsp, lg, cm in phases:
         parts = [int(x) for x in (params, g, optim, acts, wk, dsp, lg, cm)]

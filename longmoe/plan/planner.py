@@ -58,6 +58,8 @@ class Plan:
         lay, w, m = self.layout, self.workload, self.memory
         return {"model": self.model, "hardware": self.hardware.key, "gpus": self.gpus,
                 "seq_len": w.seq_len, "micro_batch": w.micro_batch,
+                "max_tokens_per_micro_batch": w.tokens_per_micro_batch,
+                "grad_sync": w.grad_sync,
                 "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp,
                 "recompute": w.recompute, "keep_last": w.keep_last,
                 "keep_last_fits": self.keep_fits, "sharding": w.sharding,
@@ -223,6 +225,11 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
         raise UserError(_no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom,
                                         _suggest))
     reasons.setdefault("pp", "PP=1: the estimate fits without pipeline stages (no bubble)")
+    share = chosen.layout.cp * chosen.layout.tp
+    reasons["budget"] = (f"{w.tokens_per_micro_batch:,} tokens per micro-batch "
+                         f"(data.max_tokens_per_micro_batch): {w.tokens_per_micro_batch // share:,}"
+                         f" on each of the {share} GPU(s) sharing a row; the estimate depends on "
+                         f"the tokens, not on how samples fill them")
     m = chosen.memory
     chunks = ep_chunks_for(w, m.local_tokens)
     reasons["ep_chunks"] = (f"{chunks} EP chunk(s): " + (
@@ -247,8 +254,24 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
                                 f"the last {keep} keep their activations (their backward runs "
                                 f"first, freeing them before any recompute), saving their "
                                 f"recomputed forward: {keep} of {cfg.num_layers} layers")
+    reasons["grad_sync"] = _grad_sync_reason(cfg, chosen.layout, w, budget, a)
     return Plan(model_name, hw, gpus, w, chosen.layout, estimate(cfg, chosen.layout, w, a),
                 budget, reasons, chunks, fits, cfg.num_layers)
+
+
+def _grad_sync_reason(cfg: ModelConfig, lay: Layout, w: Workload, budget: int,
+                      a: Assumptions) -> str:
+    if lay.dp_cp * lay.pp == 1 or w.sharding != "fsdp2":
+        return f"grad_sync={w.grad_sync}: one rank, no reduction to defer"
+    other = "step" if w.grad_sync == "micro_batch" else "micro_batch"
+    alt = estimate(cfg, lay, replace(w, grad_sync=other), a).peak
+    if w.grad_sync == "micro_batch":
+        return (f"grad_sync=micro_batch: gradients reduce-scatter after every micro-batch and "
+                f"stay sharded; once per step (grad_sync=step) keeps them unsharded: "
+                f"{alt / GiB:.1f} GiB, " + ("within" if alt <= budget else "over")
+                + f" the {budget / GiB:.1f} GiB budget")
+    return (f"grad_sync=step: one reduction per step, unsharded fp32 gradients held across "
+            f"micro-batches (per micro-batch: {alt / GiB:.1f} GiB)")
 
 
 def _no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom, suggest) -> str:
