@@ -3,9 +3,9 @@
 GRPO groups of `group_size` responses to one prompt. Each response follows a hidden Markov rule
 (next = perm[prev], perm fixed by the seed) with its own probability q, else takes a uniform
 noise token; its reward is the fraction of rule-following tokens and its advantage the
-group-normalised reward. The rollout policy is uniform (log 1/V), what a freshly initialised
-policy gives, so importance ratios start near 1 and the clipped surrogate falls as the policy
-learns the rule. Response lengths come from a distribution (longmoe.data.lengths), so packed
+group-normalised reward (token-weighted: see _group_rewards). The rollout policy is uniform
+(log 1/V), what a freshly initialised policy gives, so importance ratios start near 1 and the
+clipped surrogate falls as the policy learns the rule. Response lengths come from a distribution (longmoe.data.lengths), so packed
 micro-batches can be trained on realistic length mixes with a loss that still falls.
 
 Every draw comes from a generator keyed by (seed, kind, sample or group), never from a running
@@ -90,8 +90,17 @@ class RuleSource:
         return torch.rand(self.sizes(i)[1], generator=g) < q, g
 
     def _group_rewards(self, grp: int) -> tuple[float, ...]:
+        """Each member's advantage: its reward less the group's token-weighted mean reward, over
+        the token-weighted standard deviation. Weighting by response length makes the group's
+        advantage sum over its trained tokens zero, so a step's surrogate starts at 0 (ratio 1)
+        whatever the lengths, and every later fall is learning, not length noise."""
         G = self.group_size
-        return tuple(float(self._follow(k)[0].float().mean()) for k in range(grp * G, (grp + 1) * G))
+        ks = range(grp * G, (grp + 1) * G)
+        r = [float(self._follow(k)[0].float().mean()) for k in ks]
+        w = [self.sizes(k)[1] for k in ks]
+        mean = sum(a * b for a, b in zip(r, w)) / sum(w)
+        std = math.sqrt(sum(b * (a - mean) ** 2 for a, b in zip(r, w)) / sum(w))
+        return tuple((a - mean) / (std + 1e-4) for a in r)
 
     def get(self, i: int) -> Sample:
         G = self.group_size
@@ -101,10 +110,7 @@ class RuleSource:
         follow, g = self._follow(i)
         noise = torch.randint(0, self.vocab, (R,), generator=g)
         response = rule_walk(self.rule, prompt[-1:], follow[None], noise[None])[0]
-        rewards = self._rewards(grp)
-        mean = sum(rewards) / G
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / G)
-        adv = (rewards[i - grp * G] - mean) / (std + 1e-4)
+        adv = self._rewards(grp)[i - grp * G]
         return Sample(prompt=prompt, response=response, advantage=adv,
                       old_logprobs=torch.full((R,), -math.log(self.vocab)),
                       index=i, where=self.where(i))
