@@ -1,12 +1,14 @@
-"""RL policy-update batches: prompt + response token ids, a loss mask, advantages and the rollout
-policy's log-probs. Two sources, both deterministic in (seed, rank, step) so a resumed run sees the
-same data as an uninterrupted one:
+"""RL policy-update batches as padded rows without a token budget (longmoe/train/feed.py's
+"legacy" way; token-budget micro-batches and the Parquet source come from longmoe/data): prompt +
+response token ids, a loss mask, advantages and the rollout policy's log-probs. Two sources, both
+deterministic in (seed, rank, step) so a resumed run sees the same data as an uninterrupted one:
 
 synthetic  GRPO groups on a learnable task: each response follows a hidden Markov rule
            (next = perm[prev]) with a per-response probability q, the reward is the fraction of
-           rule-following tokens, advantages are group-normalised; responses fill the sequence. The rollout policy is uniform
-           (log 1/V), which is what a freshly initialised policy produces, so importance ratios
-           start near 1 and the clipped surrogate falls as the policy learns the rule.
+           rule-following tokens, advantages are group-normalised; responses fill the sequence.
+           The rollout policy is uniform (log 1/V), which is what a freshly initialised policy
+           produces, so importance ratios start near 1 and the clipped surrogate falls as the
+           policy learns the rule.
 jsonl      one object per line: {"prompt": [ids], "response": [ids], "advantage": float or
            [per response token], "old_logprobs": [per response token] (optional; missing means
            on-policy), "loss_mask": [0/1 per response token] (optional)}.
