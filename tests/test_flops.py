@@ -59,3 +59,28 @@ def test_selective_recompute_adds_no_matmul_flops():
     full = step_flops(cfg, 64, 32, "full")
     none = step_flops(cfg, 64, 32, "none")
     assert mixed.hardware == pytest.approx((full.hardware + none.hardware) / 2)
+
+
+def test_packed_lengths_count_attention_per_sample():
+    from longmoe.model.flops import attention_core_flops_per_token, balance_crossover
+    cfg = get_preset("qwen3.5-35b-a3b")
+    # Rows that are one sample each: the same count as tokens in sequences of that length.
+    same = step_flops(cfg, 3 * 4096, 4096, "full", lengths=[4096] * 3)
+    ref = step_flops(cfg, 3 * 4096, 4096, "full")
+    assert same.hardware == pytest.approx(ref.hardware, rel=1e-12)
+    assert same.forward_attn_core == pytest.approx(ref.forward_attn_core, rel=1e-12)
+    # Packed: everything per token but attention, whose core is per sample: sum of L(L+1)/2.
+    lengths = [1, 700, 3000, 12000]
+    p = step_flops(cfg, 0, 0, "none", lengths=lengths)
+    flat = step_flops(cfg, sum(lengths), 1, "none")       # no attention context beyond itself
+    full = sum(cfg.layer_type(i) == "full_attention" for i in range(cfg.num_layers))
+    pairs = sum(L * (L + 1) / 2 for L in lengths)
+    extra = 3 * full * 4 * cfg.num_heads * cfg.head_dim * (pairs - sum(lengths))
+    assert p.model == pytest.approx(flat.model + extra, rel=1e-12)
+    assert p.forward_attn_core > 0
+    assert attention_core_flops_per_token(cfg, 1) * sum(lengths) * full < p.forward_attn_core
+    # The balance crossover: where attention's L^2 work equals the per-token work.
+    c = balance_crossover(cfg)
+    assert 60_000 < c < 90_000
+    assert balance_crossover(cfg.replace(layer_types=("linear_attention",) * cfg.num_layers)) \
+        == float("inf")
