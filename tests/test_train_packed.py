@@ -234,3 +234,11 @@ def test_file_source_epochs_shuffle_and_resume(tmp_path):
     assert all(torch.equal(a.batch.input_ids, b.batch.input_ids)
                for a, b in zip(again.micro, first.micro))
     assert indices(feed(False), 0) == [0, 1, 2, 3] and indices(feed(False), 3) == [2, 3, 4, 5]
+    # A synthetic pool the size of the batch: every step trains the same samples.
+    pool = Feed(from_dict({"model": {"preset": "tiny"},
+                           "data": {"batch_size": 6, "num_samples": 6, "response_len": "uniform:1:9",
+                                    "prompt_len": 4,
+                                    "max_tokens_per_micro_batch": 16}}), 0, 1)
+    a, b = pool.step(0), pool.step(5)
+    assert indices(pool, 0) == list(range(6))
+    assert [m.batch.sample_index for m in a.micro] == [m.batch.sample_index for m in b.micro]

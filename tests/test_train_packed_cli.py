@@ -139,7 +139,9 @@ def test_budget_config_errors():
                         ({"source": "parquet"}, "data.path"),
                         ({"source": "csv"}, "data.source"),
                         ({"packing": "yes"}, "data.packing"),
-                        ({"row_multiple": 0}, "data.row_multiple")):
+                        ({"row_multiple": 0}, "data.row_multiple"),
+                        ({"num_samples": 0, "response_len": 8}, "data.num_samples"),
+                        ({"num_samples": 4}, "data.num_samples")):
         with pytest.raises(ConfigError) as e:
             from_dict({"data": data})
         assert str(e.value).startswith(field), (data, str(e.value))

@@ -10,7 +10,7 @@ micro-batches can be trained on realistic length mixes with a loss that still fa
 
 Every draw comes from a generator keyed by (seed, kind, sample or group), never from a running
 stream: sample i is the same whichever samples were drawn before it, on whichever rank, however
-many ranks there are. The source is endless (no epochs).
+many ranks there are. The source is endless (no epochs) unless given a pool size.
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ def rule_walk(rule, start, follow, noise):
 
 
 class RuleSource:
-    num_samples = None      # endless: no epochs
-
     def __init__(self, vocab_size: int, seed: int, prompt_len: int, response_len: str | int,
-                 group_size: int = 1):
+                 group_size: int = 1, num_samples: int | None = None):
+        """`num_samples`: a finite pool of samples 0..n-1, visited in epochs like a file;
+        None: endless (no epochs)."""
+        self.num_samples = num_samples
         if group_size < 1:
             raise ConfigError("data.group_size", f"must be >= 1, got {group_size}")
         if prompt_len < 1:
@@ -76,8 +77,15 @@ class RuleSource:
         return self.prompt_len, self.response_dist.draw(u)
 
     def longest(self) -> tuple[int, int]:
-        """The longest prompt and sample the distributions can draw."""
+        """The longest prompt and sample: of the pool when finite, else what the distributions
+        can draw."""
+        if self.num_samples is not None:
+            return self.prompt_len, max(sum(self.sizes(i)) for i in range(self.num_samples))
         return self.prompt_len, self.prompt_len + self.response_dist.hi
+
+    def first_longer_than(self, budget: int) -> int | None:
+        """The first sample of a finite pool longer than `budget` tokens."""
+        return next((i for i in range(self.num_samples or 0) if sum(self.sizes(i)) > budget), None)
 
     def where(self, i: int) -> str:
         return f"synthetic sample {i}"

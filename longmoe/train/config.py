@@ -156,6 +156,9 @@ class DataConfig:
     # lengths). Unset: responses fill data.seq_len (without a budget exactly as before; with one,
     # samples of seq_len tokens).
     response_len: str | int | None = None
+    # Synthetic: a finite pool of this many samples, visited in epochs like a file (e.g. the
+    # same global batch every step, for benchmarks whose shapes must repeat). Unset: endless.
+    num_samples: int | None = None
     # The token budget of one micro-batch: a row of at most this many tokens, shared by a
     # context-parallel group (each CP rank holds budget / cp of them). Unset: one padded sample
     # per row of seq_len, all of a rank's rows in one forward (no accumulation).
@@ -191,6 +194,17 @@ class DataConfig:
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ConfigError("data.max_tokens_per_micro_batch",
                               f"must be an integer >= 1 or null, got {b!r}")
+        n = self.num_samples
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError("data.num_samples", f"must be an integer >= 1 or null, got {n!r}")
+            if self.source != "synthetic":
+                raise ConfigError("data.num_samples", f"applies to data.source=synthetic only "
+                                                      f"(a file has its own; got {self.source})")
+            if self.response_len is None and self.budget is None:
+                raise ConfigError("data.num_samples", "needs data.response_len or "
+                                                      "data.max_tokens_per_micro_batch (the "
+                                                      "legacy synthetic batches are endless)")
         for f in ("packing", "shuffle"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"data.{f}", f"expected true or false, got {getattr(self, f)!r}")

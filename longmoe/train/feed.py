@@ -95,7 +95,7 @@ def open_data_source(run: RunConfig):
     d, V = run.data, run.model.vocab_size
     if d.source == "synthetic":
         resp = d.response_len if d.response_len is not None else d.seq_len - d.prompt_len
-        return RuleSource(V, run.train.seed, d.prompt_len, resp, d.group_size)
+        return RuleSource(V, run.train.seed, d.prompt_len, resp, d.group_size, d.num_samples)
     check = lambda row, where: check_sample(row, where, V)  # noqa: E731
     return (JsonlSource if d.source == "jsonl" else ParquetSource)(d.path, check)
 
