@@ -1,12 +1,13 @@
-"""Token-budget micro-batches through the trainer's step (longmoe.train.feed + step.accumulate):
-a step planned into several packed micro-batches, with each micro-batch's loss normalised by the
-whole step's trained tokens, gives the loss and every parameter gradient of the same global batch
-trained as padded rows in one forward; so does one sample per padded micro-batch. After one
-optimizer step the next step's loss agrees too (plain SGD: AdamW's first step is about the sign of
-each gradient element, which float rounding flips where an element is near zero). Layouts: one process; 2 gloo ranks with EP 2 and FSDP2
-(which reduces gradients once per step: its reduce-scatters are counted); CP 2 over hybrid
-layers; a rank with an empty micro-batch. The MoE balance loss is off: it is measured per
-micro-batch, so it is not additive over tokens (docs/packing.md)."""
+"""Token-budget micro-batches through the trainer's step (longmoe.train.feed + step.accumulate): a
+step planned into several packed micro-batches, with each micro-batch's loss normalised by the
+whole step's trained tokens, gives the loss and every parameter gradient of the same global
+batch trained as padded rows in one forward; so does one sample per padded micro-batch. After
+one optimizer step the next step's loss agrees too (plain SGD: AdamW's first step is about the
+sign of each gradient element, which float rounding flips where an element is near zero).
+Layouts: one process; 2 gloo ranks with EP 2 and FSDP2 (which reduces gradients once per step:
+its reduce-scatters are counted); CP 2 over hybrid layers; a rank with an empty micro-batch. The
+MoE balance loss is off: it is measured per micro-batch, so it is not additive over tokens
+(docs/packing.md)."""
 
 from __future__ import annotations
 
@@ -230,14 +231,15 @@ def test_file_source_epochs_shuffle_and_resume(tmp_path):
     assert sum(steps, []) != sorted(sum(steps, []))
     again = feed(True).step(3)
     first = f.step(3)
-    assert [m.batch.sample_index for m in again.micro] == [m.batch.sample_index for m in first.micro]
+    assert [m.batch.sample_index for m in again.micro] == \
+        [m.batch.sample_index for m in first.micro]
     assert all(torch.equal(a.batch.input_ids, b.batch.input_ids)
                for a, b in zip(again.micro, first.micro))
     assert indices(feed(False), 0) == [0, 1, 2, 3] and indices(feed(False), 3) == [2, 3, 4, 5]
     # A synthetic pool the size of the batch: every step trains the same samples.
     pool = Feed(from_dict({"model": {"preset": "tiny"},
-                           "data": {"batch_size": 6, "num_samples": 6, "response_len": "uniform:1:9",
-                                    "prompt_len": 4,
+                           "data": {"batch_size": 6, "num_samples": 6, "prompt_len": 4,
+                                    "response_len": "uniform:1:9",
                                     "max_tokens_per_micro_batch": 16}}), 0, 1)
     a, b = pool.step(0), pool.step(5)
     assert indices(pool, 0) == list(range(6))

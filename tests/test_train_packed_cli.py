@@ -100,7 +100,8 @@ def test_bad_input_is_one_line_before_any_process_group(tmp_path):
     _rejects(_run(source="jsonl", path=j, max_tokens_per_micro_batch=BUDGET), 1,
              "d.jsonl:2", "33 tokens", f"data.max_tokens_per_micro_batch={BUDGET}")
     # A budget smaller than the longest prompt (even with drop: every prompt must fit the row).
-    _write_jsonl(tmp_path / "p.jsonl", rows + [{"prompt": [1] * 30, "response": [2], "advantage": 0}])
+    _write_jsonl(tmp_path / "p.jsonl",
+                 rows + [{"prompt": [1] * 30, "response": [2], "advantage": 0}])
     _rejects(_run(source="jsonl", path=str(tmp_path / "p.jsonl"), max_tokens_per_micro_batch=BUDGET,
                   overlong="truncate"), 1, "data.max_tokens_per_micro_batch", "longest prompt (30")
     _rejects(_run(prompt_len=40, response_len="fixed:4", max_tokens_per_micro_batch=BUDGET), 1,

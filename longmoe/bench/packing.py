@@ -13,10 +13,12 @@ rule task with log-normal response lengths (data.response_len):
              its rate
 
 Every step of an arm trains the same samples (data.num_samples = the batch), so its row shapes
-repeat and only the first step compiles. Per arm, over the steps after the first: the median useful tokens/s (the
-samples' own tokens, padding excluded, per second), step time, padding share, micro-batches per
-step, hardware TFLOPS, and the peak memory over all steps. The report adds the packed and padded
-rates over the full-rows rate and the packed arm's peak over the full rows' peak.
+repeat and only the first step compiles. Per arm, over the steps after the first: the median
+useful tokens/s (the samples' own tokens, padding excluded, per second), step time, padding
+share, micro-batches per step, hardware TFLOPS, and the peak memory over all steps. The report
+adds the packed and padded rates over the full-rows rate, the packed arm's peak over the full
+rows' peak, and padded rows' rate at the packed arm's batch (the padded arm's seconds per row
+times the packed arm's sample count).
 """
 
 from __future__ import annotations
@@ -115,10 +117,10 @@ def run_bench(config: str, nproc: int, samples: int, mean: int, max_len: int, bu
             if out:  # after every arm: a run cut short keeps what it measured
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
                 Path(out).write_text(json.dumps(report, indent=1))
-            print(f"{name:<10} " + (f"{row['useful_tokens_per_s']:,.0f} useful tok/s, padding "
-                                    f"{row['padding_share']:.1%}, peak {row['peak_mem_gib']:.1f} GiB"
-                                    if res["status"] == "ok" else
-                                    f"{res['status']}: {res.get('error', '')}"), flush=True)
+            said = (f"{row['useful_tokens_per_s']:,.0f} useful tok/s, padding "
+                    f"{row['padding_share']:.1%}, peak {row['peak_mem_gib']:.1f} GiB"
+                    if res["status"] == "ok" else f"{res['status']}: {res.get('error', '')}")
+            print(f"{name:<10} {said}", flush=True)
     report["ratios"] = ratios(report["arms"])
     return report
 

@@ -5,8 +5,9 @@ GRPO groups of `group_size` responses to one prompt. Each response follows a hid
 noise token; its reward is the fraction of rule-following tokens and its advantage the
 group-normalised reward (token-weighted: see _group_rewards). The rollout policy is uniform
 (log 1/V), what a freshly initialised policy gives, so importance ratios start near 1 and the
-clipped surrogate falls as the policy learns the rule. Response lengths come from a distribution (longmoe.data.lengths), so packed
-micro-batches can be trained on realistic length mixes with a loss that still falls.
+clipped surrogate falls as the policy learns the rule. Response lengths come from a distribution
+(longmoe.data.lengths), so packed micro-batches can be trained on realistic length mixes with a
+loss that still falls.
 
 Every draw comes from a generator keyed by (seed, kind, sample or group), never from a running
 stream: sample i is the same whichever samples were drawn before it, on whichever rank, however

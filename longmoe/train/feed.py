@@ -182,7 +182,8 @@ class Feed:
         # The policy over the whole step (from lengths alone), so its counts are the step's.
         lengths, counts = fit_lengths([src.sizes(i) for i in idx], d.seq_len, d.overlong,
                                       lambda k: src.where(idx[k]), setting="data.seq_len")
-        idx, lengths = idx[self.rank * n:(self.rank + 1) * n], lengths[self.rank * n:(self.rank + 1) * n]
+        mine = slice(self.rank * n, (self.rank + 1) * n)
+        idx, lengths = idx[mine], lengths[mine]
         got = iter(src.get_many([i for i, k in zip(idx, lengths) if k > 0]))
         rows = [[next(got).truncated(k)] if k > 0 else [] for k in lengths]  # dropped: padding
         pb = pack_rows(rows, seq_len=d.seq_len)

@@ -84,8 +84,8 @@ def forward_backward(model, batch: Batch, run: RunConfig, layout: Layout, global
                                              packing=packing)
         stats = policy_stats(run.loss, logprobs, entropy, batch)
     else:
-        logprobs, entropy, aux, _ = model(batch.input_ids, batch.labels, positions, with_entropy=True,
-                                          packing=packing)
+        logprobs, entropy, aux, _ = model(batch.input_ids, batch.labels, positions,
+                                          with_entropy=True, packing=packing)
         loss, stats = policy_loss(run.loss, logprobs, entropy, batch.labels, batch.advantages,
                                   batch.old_logprobs, global_tokens)
     ((loss + aux * aux_scale) * loss_scale(layout)).backward()
@@ -101,7 +101,8 @@ def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int,
     mean over micro-batches of each one's (its balance is measured per micro-batch). FSDP
     reduces once, in the last backward (parallel.grad_sync=step; micro_batch, or a single rank:
     after every backward, into accumulating shards); replicated gradients sync once, after it;
-    the routers' load becomes the whole step's. Returns (loss, aux loss, logging sums) of this rank."""
+    the routers' load becomes the whole step's. Returns (loss, aux loss, logging sums) of this
+    rank."""
     from torch.distributed.fsdp import FSDPModule
     M = len(micro)
     sync = (isinstance(model, FSDPModule) and M > 1 and layout.world > 1
