@@ -45,6 +45,12 @@ def list_backends() -> list[str]:
     return ordered + sorted(n for n in _REGISTRY if n not in DETECTION_ORDER)
 
 
+def backend_classes() -> dict[str, type[Backend]]:
+    """The registered backend classes, in list_backends() order (class-level questions, such as
+    compile targets, need no device)."""
+    return {n: _REGISTRY[n] for n in list_backends()}
+
+
 def availability() -> dict[str, str | None]:
     """Per registered backend: None when it can run here, else the one-line reason it cannot."""
     return {n: _REGISTRY[n].unavailable_reason() for n in list_backends()}

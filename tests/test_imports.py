@@ -164,6 +164,17 @@ def test_core_imports_no_vendor_package():
     assert not offenders, "core modules import vendor backends:\n  " + "\n  ".join(offenders)
 
 
+# Vendor-specific Triton launch options: backends/<vendor>/ turns a table entry into launch
+# kwargs (Backend.launch_options); core kernel code passes the entry through.
+VENDOR_LAUNCH_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+
+def test_core_spells_no_vendor_launch_option():
+    offenders = [f"{path.relative_to(ROOT)}: {key}" for path in sorted((ROOT / "longmoe").rglob("*.py"))
+                 for key in VENDOR_LAUNCH_KEYS if key in path.read_text()]
+    assert not offenders, "vendor launch options outside backends/: " + ", ".join(offenders)
+
+
 def test_tuning_uses_no_private_cli_helpers():
     modules = _module_files()
     offenders = []

@@ -19,7 +19,7 @@ from longmoe.config import PRESETS, get_preset
 from longmoe.errors import UserError
 from longmoe.plan import calibration
 from longmoe.plan.cli import main, run_config
-from longmoe.plan.hardware import _raw, get_hardware, names
+from longmoe.plan.hardware import get_hardware, names, profiles
 from longmoe.plan.memory import GiB, Layout, Workload, estimate, param_split
 from longmoe.plan.planner import budget_bytes, grid, invalid_reason, plan
 from longmoe.train.config import RECIPE_DIR, from_dict, load_run_config
@@ -254,10 +254,9 @@ def test_shipped_recipes_are_what_the_planner_writes(name, hw, gpus):
 
 
 def test_hardware_profiles_cite_every_figure():
-    raw = _raw()
     numeric = ["bf16_dense_tflops", "hbm_gb", "usable_gib", "hbm_tb_s", "gpus_per_node",
                "intra_node_gb_s", "inter_node_gb_s", "simd_width"]
-    for key, p in raw["profiles"].items():
+    for key, p in profiles().items():
         for f in numeric:
             assert p[f] > 0 and p["sources"].get(f), (key, f)
         assert set(p["confirmed"]).isdisjoint(p["unconfirmed"])

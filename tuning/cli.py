@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+from longmoe.cli_args import int_list
+
 
 def _cmd(a) -> int:
-    from longmoe.cli import _ints
     from longmoe.config import get_preset
-    seq_lens, chunks = _ints(a.seq_lens, "--seq-lens"), _ints(a.chunks, "--chunks")
+    seq_lens, chunks = int_list(a.seq_lens, "--seq-lens"), int_list(a.chunks, "--chunks")
     if a.predict:
         from longmoe.tuning.cost_model import predict
         from longmoe.tuning.tuner import check_inputs

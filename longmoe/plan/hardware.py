@@ -43,6 +43,23 @@ def names() -> list[str]:
     return sorted(_raw()["profiles"])
 
 
+def profiles() -> dict[str, dict]:
+    """The raw profiles of hardware.json, by key (the figures with their sources)."""
+    return _raw()["profiles"]
+
+
+def profile_for_device(device_name: str) -> Hardware | None:
+    """The profile whose key appears in a device's reported name ("NVIDIA H200" -> h200), or
+    None (CPU, or a device without a profile)."""
+    name = device_name.lower().replace(" ", "")
+    if not name:
+        return None
+    for key in _raw()["profiles"]:
+        if key in name:
+            return get_hardware(key)
+    return None
+
+
 def get_hardware(name: str) -> Hardware:
     raw = _raw()
     key = name.strip().lower()
