@@ -140,7 +140,7 @@ GOOD = {
     "paired_linear_ce": ["paired", "linear_ce", "--json"],
     "paired_recompute": ["paired", "recompute", "--json"],
     "paired_gated_delta": ["paired", "gated_delta", "--json"],
-    "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,recurrent,sdpa"],
+    "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,reference,sdpa"],
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
                   "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",
@@ -315,20 +315,20 @@ def test_bench_rejects_bad_flags(capsys, argv, flag, msg):
 
 
 def test_bench_moe_rows_and_grouped_mm_run_on_cpu(tmp_path):
-    # No Triton on a plain CPU: the eager rows and the loop GEMM run, the rest is reported skipped.
+    # No Triton on a plain CPU: the reference rows and GEMM run, the rest is reported skipped.
     import json
     from longmoe.cli import main
     out = tmp_path / "rows.json"
     assert main(["bench", "moe-rows", "--tokens", "8", "--top-k", "2", "--hidden", "24",
                  "--ffn", "8", "--iters", "1", "--device", "cpu", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert {r["impl"] for r in rep["rows"]} == {"torch"} and rep["triton_skipped"]
+    assert {r["impl"] for r in rep["rows"]} == {"reference"} and rep["triton_skipped"]
     assert {r["op"] for r in rep["rows"]} == {"combine", "combine_bwd", "dispatch_bwd", "swiglu",
                                               "swiglu_bwd+dot"}
     out = tmp_path / "gmm.json"
     assert main(["bench", "grouped-mm", "--tokens", "8", "--experts", "3", "--hidden", "16",
-                 "--ffn", "8", "--impls", "loop,torch", "--iters", "1", "--device", "cpu",
+                 "--ffn", "8", "--impls", "reference,torch", "--iters", "1", "--device", "cpu",
                  "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert {r["impl"] for r in rep["rows"]} == {"loop"} and "torch" in rep["skipped"]
+    assert {r["impl"] for r in rep["rows"]} == {"reference"} and "torch" in rep["skipped"]
     assert len(rep["rows"]) == 6 and all(r["ms"] > 0 for r in rep["rows"])

@@ -9,7 +9,7 @@ q and k are L2-normalised per head and q is scaled by dk^-1/2. Key heads are sha
 value heads (GQA-style). Legend: B batch, T tokens, Hk key heads, Hv value heads, C chunk length.
 
 Implementations (registry "gated_delta"):
-  recurrent  one token at a time: the definition above; the reference (slow; tests only).
+  reference  one token at a time: the definition above (slow; tests only).
   chunked    chunks of C tokens: within a chunk the writes are solved at once with a unit-lower-
              triangular system (WY form), across chunks the state is carried by an affine
              recurrence with its own backward (AffineScan); all fp32. Runs
@@ -30,7 +30,7 @@ import torch
 from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.registry import Registry
 
-GATED_DELTA = Registry("gated_delta")
+GATED_DELTA = Registry("gated_delta", renamed={"recurrent": "reference"})
 
 
 class AffineScan(torch.autograd.Function):
@@ -117,7 +117,7 @@ def _prep(q, k, v, g, beta):
     return tr(q), tr(k), tr(v), g.float().transpose(1, 2), beta.float().transpose(1, 2)
 
 
-@GATED_DELTA.register("recurrent", priority=0, reference=True)
+@GATED_DELTA.register("reference", priority=0, reference=True)
 def _recurrent(q, k, v, g, beta, initial_state=None):
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     B, Hv, T, dk = k.shape

@@ -165,7 +165,7 @@ def run_config(p: Plan, linear_core: str = "kernel") -> dict:
         raise UserError("--out: the trainer shards with FSDP2; dist_opt is estimate-only")
     model = {"preset": p.model} if p.model in PRESETS else {"hf_config": p.model}
     impl = ({"linear_ce": "auto"} if w.linear_ce
-            else {"linear_ce": "naive", "policy_loss": "unfused"})
+            else {"linear_ce": "reference", "policy_loss": "unfused"})
     if linear_core != "kernel":  # the memory was planned for this core: run it
         impl["gated_delta"] = {"chunked": "chunked", "compiled": "chunked_compiled"}[linear_core]
     return {
