@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _seed import seed_for
 
 TIMEOUT_S = 300
 SMALL = ["--set", "data.batch_size=4", "--set", "data.seq_len=64", "--set", "data.prompt_len=16"]
@@ -137,9 +138,10 @@ BAD_INPUT = {
 
 GOOD = {
     "doctor": ["doctor", "--json"],
-    "paired_linear_ce": ["paired", "linear_ce", "--json"],
-    "paired_recompute": ["paired", "recompute", "--json"],
-    "paired_gated_delta": ["paired", "gated_delta", "--json"],
+    "paired_linear_ce": ["paired", "linear_ce", "--json", "--seed", str(seed_for("linear_ce"))],
+    "paired_recompute": ["paired", "recompute", "--json", "--seed", str(seed_for("recompute"))],
+    "paired_gated_delta": ["paired", "gated_delta", "--json", "--seed",
+                           str(seed_for("gated_delta"))],
     "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,reference,sdpa"],
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
@@ -216,6 +218,9 @@ def test_paired_json_ok(quick, primitive):
     assert res["ok"] is True, res
     assert res["errors"] and all(math.isfinite(v) for v in res["errors"].values())
     assert res["max_error"] <= res["tolerance"]
+    # stderr: the seed first (to rerun it), the one-line verdict last
+    err = p.stderr.strip().splitlines()
+    assert f"seed {seed_for(primitive)}" in err[0] and err[-1].endswith("PASS"), p.stderr
 
 
 # ---- a JSONL data run ------------------------------------------------------------------------
