@@ -90,7 +90,8 @@ def predict(hardware: str, cfg, ep: int, seq_lens: list[int], chunks: list[int],
     if ep > hw.gpus_per_node:
         raise UserError(f"--ep: {ep} exceeds {hw.name}'s {hw.gpus_per_node} GPUs per node; the "
                         "cost model covers one node")
-    out = {"label": "PREDICTION (cost model, not measured)", "hardware": hw.name, "ep": ep,
+    out = {"label": "PREDICTION (cost model, not measured)", "hardware": hw.name,
+           "hardware_key": hw.key, "ep": ep,
            "transport": transport, "calibration": str(_CAL.name), "results": {}}
     for T in seq_lens:
         rows = [layer_time(hw, cfg, ep, T, c, transport) for c in chunks if c <= T]

@@ -28,6 +28,8 @@ class Hardware:
     inter_node_gb_s: float
     simd_width: int
     unconfirmed: tuple[str, ...] = ()
+    backend: str = ""      # the longmoe.backends name that runs this part
+    link: str = ""         # the intra-node link kind its backend's probe reports
 
     @property
     def usable_bytes(self) -> int:
@@ -72,4 +74,5 @@ def get_hardware(name: str) -> Hardware:
                     usable_gib=p["usable_gib"], hbm_tb_s=p["hbm_tb_s"],
                     gpus_per_node=p["gpus_per_node"], intra_node_fabric=p["intra_node_fabric"],
                     intra_node_gb_s=p["intra_node_gb_s"], inter_node_gb_s=p["inter_node_gb_s"],
-                    simd_width=p["simd_width"], unconfirmed=tuple(p.get("unconfirmed", ())))
+                    simd_width=p["simd_width"], unconfirmed=tuple(p.get("unconfirmed", ())),
+                    backend=p.get("backend", ""), link=p.get("link", ""))
