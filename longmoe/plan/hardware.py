@@ -50,6 +50,11 @@ def profiles() -> dict[str, dict]:
     return _raw()["profiles"]
 
 
+def aliases() -> dict[str, str]:
+    """Other spellings of the profile keys ("h100-sxm" -> "h100")."""
+    return dict(_raw()["aliases"])
+
+
 def profile_for_device(device_name: str) -> Hardware | None:
     """The profile whose key appears in a device's reported name ("NVIDIA H200" -> h200), or
     None (CPU, or a device without a profile)."""
