@@ -231,9 +231,34 @@ def test_cli_table_and_yaml(capsys):
     assert main(argv + ["--explain"]) == 0
     text = capsys.readouterr().out
     assert "TP1·PP1·EP8·CP1" in text and "why:" in text and "grid:" in text and "peak" in text
+    # --explain: every rejected cell with its reason, then the fitting ones, the plan marked
+    lines = text.splitlines()
+    grid_cells = grid(get_preset(Q35), get_hardware("mi300x"), 8, Workload(131072))
+    rejected = [c for c in grid_cells if c.verdict != "fits"]
+    start = lines.index(f"rejected ({len(rejected)}):")
+    for c in rejected:
+        assert any(ln.split()[:2] == [c.layout.label, c.verdict] and c.why in ln
+                   for ln in lines[start:]), c
+    assert [ln for ln in lines if ln.endswith("<- the plan")] == \
+        [ln for ln in lines if ln.startswith("  TP1·PP1·EP8·CP1 ") and "the plan" in ln]
+    assert "NOT RUNNABLE" not in text
     assert main(argv + ["--format", "yaml"]) == 0
     d = yaml.safe_load(capsys.readouterr().out)
     assert d["cp"] == 1 and d["hardware"] == "mi300x"
+
+
+def test_a_plan_the_trainer_cannot_run_says_so(tmp_path, capsys):
+    argv = ["--model", Q35, "--hardware", "h100", "--gpus", "32", "--seq-len", "131072",
+            "--tp", "2"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "NOT RUNNABLE YET: longmoe train runs TP = PP = 1 and rejects TP2·PP1" in text
+    out = tmp_path / "tp2.yaml"
+    assert main(argv + ["--format", "json", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["trainer_runs_it"] is False
+    assert "note: longmoe train runs TP = PP = 1" in cap.err and "rejects it at launch" in cap.err
+    assert "# NOT RUNNABLE YET" in out.read_text()
 
 
 def test_add_parser_registers_recipe():
