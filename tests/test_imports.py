@@ -8,12 +8,16 @@ moves the failure from import time to call time.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the package name it installs as (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"longmoe": "longmoe", "backends": "longmoe.backends", "tuning": "longmoe.tuning"}
 VENDOR_PACKAGES = ("longmoe.backends.cuda", "longmoe.backends.rocm", "longmoe.backends.cpu")
+# The `peers` extra: imported only inside the functions that compare against them.
+PEERS = ("liger_kernel", "megatron", "cut_cross_entropy")
 
 
 def _module_files() -> dict[str, Path]:
@@ -188,3 +192,26 @@ def test_tuning_uses_no_private_cli_helpers():
                     offenders += [f"{module}: {base}.{a.name}" for a in node.names
                                   if a.name.startswith("_")]
     assert not offenders, "tuning imports private CLI helpers: " + ", ".join(offenders)
+
+
+def test_peers_are_imported_only_where_they_are_compared():
+    """A plain install (no `peers` extra) imports every module: no module-level peer import."""
+    offenders = []
+    for module, path in _module_files().items():
+        for node in ast.parse(path.read_text()).body:  # module scope only
+            if isinstance(node, (ast.If, ast.Try)):
+                continue
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{module}: {n}" for n in names if n.split(".")[0] in PEERS]
+    assert not offenders, offenders
+
+
+def test_the_cli_and_trainer_load_no_peer():
+    code = ("import sys, longmoe.cli, longmoe.train.trainer, longmoe.paired.cases, "
+            "longmoe.bench.linear_ce, longmoe.bench.moe_layer, longmoe.doctor\n"
+            "longmoe.cli.build_parser()\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {PEERS!r}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout
