@@ -81,13 +81,13 @@ def _cmd_calibrate(a) -> int:
     from longmoe.errors import UserError
     from longmoe.plan.hardware import get_hardware
     from longmoe.tuning import calibrate
-    from longmoe.tuning.cost_model import _CAL, calibration
+    from longmoe.tuning.cost_model import CALIBRATION_FILE, calibration
     try:
         sweep = json.loads(Path(a.from_file).read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--from: cannot read {a.from_file}: {e}") from None
     cal = calibrate.fit(sweep, get_preset(a.model), get_hardware(a.hardware), calibration())
-    out = Path(a.out) if a.out else _CAL
+    out = Path(a.out) if a.out else CALIBRATION_FILE
     calibrate.write(cal, out)
     f = cal["_fit"]
     print(f"calibration fitted to {f['rows']} layer rows: median error {f['median_rel_error']:.1%}, "

@@ -30,12 +30,12 @@ from pathlib import Path
 
 from longmoe.errors import UserError
 
-_CAL = Path(__file__).with_name("calibration.json")
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 
 @lru_cache(maxsize=1)
 def calibration() -> dict:
-    return json.loads(_CAL.read_text())
+    return json.loads(CALIBRATION_FILE.read_text())
 
 
 def _link_bw(hw, ep: int, cal: dict) -> float:
@@ -92,7 +92,7 @@ def predict(hardware: str, cfg, ep: int, seq_lens: list[int], chunks: list[int],
                         "cost model covers one node")
     out = {"label": "PREDICTION (cost model, not measured)", "hardware": hw.name,
            "hardware_key": hw.key, "ep": ep,
-           "transport": transport, "calibration": str(_CAL.name), "results": {}}
+           "transport": transport, "calibration": str(CALIBRATION_FILE.name), "results": {}}
     for T in seq_lens:
         rows = [layer_time(hw, cfg, ep, T, c, transport) for c in chunks if c <= T]
         best = min(rows, key=lambda r: r["ms"])
