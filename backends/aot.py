@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-# Defined before the vendor packages are imported at the bottom of longmoe.backends, which
-# import this module.
-from longmoe.backends import backend_classes
+from longmoe.backends.registry import backend_classes
 
 
 @dataclass(frozen=True)

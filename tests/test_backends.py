@@ -65,8 +65,9 @@ def test_absent_device_raises_one_line(name):
 
 def test_list_and_register(monkeypatch):
     assert backends.list_backends()[:3] == ["rocm", "cuda", "cpu"]
-    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
-    monkeypatch.setattr(backends, "_INSTANCES", {})
+    from longmoe.backends import registry
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_INSTANCES", {})
     Extra = backends.register(type("Extra", (CpuBackend,), {"name": "extra"}))
     assert backends.list_backends()[-1] == "extra"
     assert isinstance(backends.get_backend("EXTRA"), Extra)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from longmoe.backends import register
+from longmoe.backends.registry import register
 from longmoe.backends.base import CORE_PACKAGES
 from longmoe.backends.cuda.aot import TARGETS
 from longmoe.backends.cuda.collective import NcclCollective
