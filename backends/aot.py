@@ -10,6 +10,7 @@ longmoe/ops/kernels/aot.py walks them and never names a vendor itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from longmoe.backends.registry import backend_classes
@@ -26,6 +27,11 @@ class CompileTarget:
     shared_budget: int         # bytes of shared memory / LDS per block
     # compiled kernel -> (registers, spilled bytes or count, shared bytes)
     usage: Callable[[object], tuple[int, int, int]]
+
+    @property
+    def kernel_table(self) -> Path:
+        """The vendor's kernels.json, whose configs are compiled for this target."""
+        return backend_classes()[self.vendor].data_dir / "kernels.json"
 
     def launch_options(self, cfg: Mapping[str, Any], num_warps_key: str = "num_warps") -> dict:
         """The options triton.compile takes for one table entry, as the vendor launches it."""

@@ -10,7 +10,6 @@ compiled kernel's resources come from longmoe.backends (each vendor registers it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from longmoe.backends.aot import compile_targets
@@ -128,11 +127,10 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
     the kernel variants whose name starts with it. `progress(done, total, report)` is called
     after each compile."""
     from triton.backends.compiler import GPUTarget
-    import longmoe.backends as lb
     from longmoe.backends.kernels import load_kernel_table
     t = compile_targets()[target]
     if table is None:
-        table = load_kernel_table(Path(lb.__file__).parent / t.vendor / "kernels.json")
+        table = load_kernel_table(t.kernel_table)
     gpu = GPUTarget(t.triton_backend, t.arch, t.warp_size)
     jobs = []
     for key, name, fn, sig, constexprs, warps_key in _kernel_specs():
