@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longmoe.config import ModelConfig
+from longmoe.plan.hardware import profile_for_device
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,6 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool 
 
 
 GDN_CHUNK = 64
-
-
-def linear_attention_params(cfg: ModelConfig) -> int:
-    H, Hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    Kd, Vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, Hv * dv
-    conv = 2 * Kd + Vd
-    return H * conv + H * Vd + 2 * H * Hv + conv * cfg.linear_conv_kernel + 2 * Hv + dv + Vd * H
 
 
 def linear_attention_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
@@ -98,11 +92,5 @@ def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute="none",
 def dense_peak_flops(probe: dict) -> float | None:
     """bf16 dense peak of the device a backend probed, from the hardware profiles (None on CPU
     or for a device without a profile)."""
-    from longmoe.plan.hardware import _raw
-    name = str(probe.get("device_name") or "").lower()
-    if not name:
-        return None
-    for key, prof in _raw()["profiles"].items():
-        if key in name.replace(" ", ""):
-            return prof["bf16_dense_tflops"] * 1e12
-    return None
+    hw = profile_for_device(str(probe.get("device_name") or ""))
+    return hw.bf16_dense_tflops * 1e12 if hw else None

@@ -12,7 +12,7 @@ drops the initial state of that row. Legend: B batch, T tokens, Hk key heads, Hv
 C chunk length.
 
 Implementations (registry "gated_delta"):
-  recurrent  one token at a time: the definition above; the reference (slow; tests only).
+  reference  one token at a time: the definition above (slow; tests only).
   chunked    chunks of C tokens: within a chunk the writes are solved at once with a unit-lower-
              triangular system (WY form), across chunks the state is carried by an affine
              recurrence with its own backward (AffineScan); all fp32. Runs
@@ -33,7 +33,7 @@ import torch
 from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.registry import Registry
 
-GATED_DELTA = Registry("gated_delta")
+GATED_DELTA = Registry("gated_delta", renamed={"recurrent": "reference"})
 
 
 class AffineScan(torch.autograd.Function):
@@ -120,7 +120,7 @@ def _prep(q, k, v, g, beta):
     return tr(q), tr(k), tr(v), g.float().transpose(1, 2), beta.float().transpose(1, 2)
 
 
-@GATED_DELTA.register("recurrent", priority=0, reference=True)
+@GATED_DELTA.register("reference", priority=0, reference=True)
 def _recurrent(q, k, v, g, beta, initial_state=None, starts=None):
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     B, Hv, T, dk = k.shape

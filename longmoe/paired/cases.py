@@ -53,22 +53,22 @@ def linear_ce_case(impl="auto", seed=0, T=47, H=31, V=123, dtype=torch.float32, 
         dh, dw = torch.autograd.grad(obj, [hh, ww])
         return lp, ent, ce, dh, dw
 
-    res = PairedResult("linear_ce", name, "naive", TOLERANCE[dtype],
+    res = PairedResult("linear_ce", name, "reference", TOLERANCE[dtype],
                        info={"T": T, "H": H, "V": V, "dtype": str(dtype), "seed": seed})
     cand = run(name, dtype)
-    ref = run("naive", _ref_dtype(dtype))
+    ref = run("reference", _ref_dtype(dtype))
     for k, a, b in zip(("logprobs", "entropy", "ce_loss", "dH", "dW"), cand, ref):
         res.add(k, a, b)
-    # Memory and time at the candidate dtype for both: the naive path holds [T, V] logits.
+    # Memory and time at the candidate dtype for both: the reference holds [T, V] logits.
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("naive", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     res.info["logits_bytes"] = T * V * 4
     return res
 
 
 def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32, chunk_tokens=8,
                      entropy_coef=0.01, device=None) -> PairedResult:
-    """The fused GRPO/PPO loss (gradients computed in the forward) against the naive
+    """The fused GRPO/PPO loss (gradients computed in the forward) against the plain
     log-softmax reference; ratios are spread so both clip sides and on-policy tokens occur."""
     backend = active_backend()
     device = device or backend.device(0)
@@ -76,7 +76,7 @@ def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32
     h, w, y = _head_inputs(g, T, H, V, device, ignored_every=6)
     adv = torch.randn(T, generator=g).to(device)
     with torch.no_grad():
-        lp0, _ = linear_logprobs(h.double(), w.double(), y, impl="naive")
+        lp0, _ = linear_logprobs(h.double(), w.double(), y, impl="reference")
     old = (lp0 + 0.4 * torch.randn(T, generator=g, dtype=torch.float64).to(device)).float()
     old[torch.randperm(T, generator=g)[: T // 5].to(device)] = float("nan")  # on-policy tokens
     name = POLICY_LOSS.select(impl, h, w, y).name
@@ -122,12 +122,12 @@ def grouped_mm_case(impl="auto", seed=0, sizes=(5, 0, 17, 1, 9), K=32, N=48,
         dx, dw = torch.autograd.grad((out * c.to(dt)).sum(), [xx, ww])
         return out, dx, dw
 
-    res = PairedResult("grouped_mm", name, "loop", TOLERANCE[dtype],
+    res = PairedResult("grouped_mm", name, "reference", TOLERANCE[dtype],
                        info={"sizes": list(sizes), "K": K, "N": N, "dtype": str(dtype)})
-    for k, a, b in zip(("out", "dX", "dW"), run(name, dtype), run("loop", _ref_dtype(dtype))):
+    for k, a, b in zip(("out", "dX", "dW"), run(name, dtype), run("reference", _ref_dtype(dtype))):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("loop", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
 
 
@@ -152,14 +152,14 @@ def gated_delta_case(impl="auto", seed=0, B=2, T=77, Hk=2, Hv=4, dk=16, dv=12, d
         grads = torch.autograd.grad((o * co).sum() + (S * cs).sum(), leaves)
         return (o, S) + grads
 
-    res = PairedResult("gated_delta", name, "recurrent", TOLERANCE[torch.float32],
+    res = PairedResult("gated_delta", name, "reference", TOLERANCE[torch.float32],
                        info={"B": B, "T": T, "Hk": Hk, "Hv": Hv, "dk": dk, "dv": dv,
                              "decay": decay})
     names = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dS0")
-    for k, a, b in zip(names, run(name), run("recurrent")):
+    for k, a, b in zip(names, run(name), run("reference")):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("recurrent"), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference"), backend, 3)
     return res
 
 
@@ -192,7 +192,8 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="fu
         return loss.detach(), {n.replace("block.", ""): p.grad.clone()
                                for n, p in m.named_parameters()}
 
-    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({policy})", "none",
+    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({policy})",
+                       "reference (stored activations)",
                        TOLERANCE[torch.float32], info={"layers": cfg.num_layers, "tokens": batch * seq})
     (lc, gc), (lr, gr) = run("full"), run("none")
     res.add("loss", lc, lr)
@@ -284,12 +285,12 @@ def router_matmul_case(impl="auto", seed=0, T=53, H=40, E=13, dtype=torch.bfloat
         y = router_logits(xx, ww, which)
         return (y, *torch.autograd.grad(y, (xx, ww), gl.to(y.dtype)))
 
-    res = PairedResult("router_matmul", name, "fp32", TOLERANCE[dtype],
+    res = PairedResult("router_matmul", name, "reference", TOLERANCE[dtype],
                        info={"T": T, "H": H, "E": E, "dtype": str(dtype), "seed": seed})
-    for k, a, b in zip(("logits", "dX", "dW"), run(name, dtype), run("fp32", _ref_dtype(dtype))):
+    for k, a, b in zip(("logits", "dX", "dW"), run(name, dtype), run("reference", _ref_dtype(dtype))):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("fp32", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
 
 
@@ -336,13 +337,13 @@ def moe_rows_case(impl="auto", seed=0, T=13, K=3, H=37, F=11, dtype=torch.float3
                          impl=which)
         return (out, d_rows, d_w, d_x, a, d_h, gh, a2, dot, rows, dot2, acc)
 
-    res = PairedResult("moe_rows", name, "torch", TOLERANCE[dtype],
+    res = PairedResult("moe_rows", name, "reference", TOLERANCE[dtype],
                        info={"T": T, "K": K, "H": H, "F": F, "dtype": str(dtype), "seed": seed})
     keys = ("combine", "combine.d_rows", "combine.d_w", "dispatch.dX", "swiglu", "swiglu.dH",
             "swiglu_bwd.dH", "swiglu_bwd.a", "swiglu_bwd.dot", "gather_scale", "gather_scale.dot",
             "gather_sum+=")
-    for k, a, b in zip(keys, run(name, dtype), run("torch", _ref_dtype(dtype))):
+    for k, a, b in zip(keys, run(name, dtype), run("reference", _ref_dtype(dtype))):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("torch", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res

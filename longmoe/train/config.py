@@ -83,15 +83,15 @@ class ParallelConfig:
 class ImplConfig:
     linear_ce: str = "auto"
     grouped_mm: str = "auto"
-    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_compiled | chunked | recurrent
+    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_compiled | chunked | reference
     recompute: str = "auto"
     # GRPO loss inside the LM head with gradients in the forward (auto | fused | fused_torch |
     # reference), or "unfused": log-probs from linear_ce, then the loss on them.
     policy_loss: str = "auto"
-    # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | torch.
+    # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | reference.
     moe_rows: str = "auto"
     # The router's logits GEMM (ops/router_matmul.py): auto | mixed (one bf16 GEMM with fp32
-    # output) | fp32 (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
+    # output) | reference (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
     router_matmul: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
@@ -113,10 +113,7 @@ class ImplConfig:
                                   ("gated_delta", GATED_DELTA, ()), ("recompute", RECOMPUTE, ()), ("moe_rows", MOE_ROWS, ()),
                                   ("router_matmul", ROUTER_MATMUL, ()),
                                   ("policy_loss", POLICY_LOSS, ("unfused",))):
-            valid = ("auto", *reg.names(), *extra)
-            if getattr(self, field) not in valid:
-                raise ConfigError(f"impl.{field}", f"unknown implementation "
-                                  f"{getattr(self, field)!r}; valid: {', '.join(valid)}")
+            reg.check_name(getattr(self, field), f"impl.{field}", extra)
         from longmoe.ops.attention import SDPA_NAMES
         if self.attention not in ("auto", *SDPA_NAMES):
             raise ConfigError("impl.attention", f"unknown implementation {self.attention!r}; "
