@@ -20,8 +20,8 @@ from longmoe.ops.linear_ce_engines import acc_dtype, accumulate_dw, logits_into
 
 # Budget for one fp32 [C, V] logits chunk (plus a bf16 gradient chunk of half its size and an fp32
 # weight-gradient accumulator). Larger chunks mean bigger GEMMs and fewer passes over the fp32
-# dW accumulator; measured on H200 at T=32K, V=248,320 (results/h200/linear_ce.json):
-# 1,024 tokens 1.38x the GEMM floor (+3.3 GiB), 2,048 1.26x (+4.7 GiB), 4,096 1.24x (+7.6 GiB).
+# dW accumulator; measured on H200 at T=32K, V=248,320 (results/h200/linear_ce_chunk_sweep.json):
+# 2,048 tokens 1.19x the GEMM floor (+4.7 GiB), 4,096 1.17x (+7.6 GiB), 8,192 1.17x (+13.3 GiB).
 # 2 GiB (2,162 tokens at that vocab) is the knee; `impl.ce_chunk_tokens` overrides it.
 CHUNK_BYTES = 2 * 2**30
 
