@@ -320,6 +320,36 @@ def test_run_config_errors_name_field(tmp_path, text, field):
     assert ei.value.field == field, str(ei.value)
 
 
+# Through --set as a user types them: YAML reads .nan/.inf as floats, and 1e999 overflows.
+@pytest.mark.parametrize("override,field", [
+    ("optim.lr=.nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"), ("optim.lr=1e999", "optim.lr"),
+    ("optim.lr=-1e-3", "optim.lr"), ("optim.lr=0", "optim.lr"),
+    ("loss.clip_low=.nan", "loss.clip_low"), ("loss.clip_low=-0.1", "loss.clip_low"),
+    ("loss.clip_high=.nan", "loss.clip_high"), ("loss.clip_high=-0.5", "loss.clip_high"),
+    ("loss.entropy_coef=.inf", "loss.entropy_coef"),
+    ("train.checkpoint_every=-1", "train.checkpoint_every"),
+    ("optim.grad_clip=-5", "optim.grad_clip"), ("optim.grad_clip=.nan", "optim.grad_clip"),
+    ("optim.eps=0", "optim.eps"), ("optim.weight_decay=-0.1", "optim.weight_decay"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas"),
+    ("train.max_bad_steps=0", "train.max_bad_steps"),
+    ("data.overlong=cut", "data.overlong"),
+])
+def test_impossible_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as ei:
+        load_run_config(None, [override])
+    assert ei.value.field == field, str(ei.value)
+    assert str(ei.value).startswith(field + ":") and "\n" not in str(ei.value)
+
+
+def test_off_values_are_accepted():
+    rc = load_run_config(None, ["optim.grad_clip=0", "train.checkpoint_every=0",
+                                "train.max_bad_steps=1", "data.overlong=truncate"])
+    assert (rc.optim.grad_clip, rc.train.checkpoint_every, rc.train.max_bad_steps,
+            rc.data.overlong) == (0, 0, 1, "truncate")
+    assert load_run_config(None).train.max_bad_steps == 3
+    assert load_run_config(None).data.overlong == "error"
+
+
 def test_overrides(tmp_path):
     rc = load_run_config(_yaml(tmp_path, RUN_YAML),
                          ["optim.lr=1e-3", "model.num_layers=1", "parallel.fsdp=false",

@@ -10,7 +10,9 @@ import torch
 
 from longmoe.errors import UserError
 from longmoe.train.config import DataConfig, LossConfig
-from longmoe.train.data import IGNORE, JsonlSource, SyntheticSource, _pack, make_source, read_jsonl
+from longmoe.data.validate import fit
+from longmoe.train.data import (IGNORE, Batch, JsonlData, JsonlSource, SyntheticSource, _pack,
+                                make_source, read_jsonl)
 from longmoe.train.loss import policy_loss
 
 
@@ -32,11 +34,13 @@ def test_synthetic_deterministic_and_distinct():
     assert not torch.equal(x.input_ids, SyntheticSource(SYN, V, seed=12).batch(3, 1, 2).input_ids)
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("cfg", [SYN, DataConfig(batch_size=8, seq_len=16, prompt_len=1, group_size=4)])
-def test_synthetic_layout(cfg):
+def test_synthetic_layout(cfg, world):
     src = SyntheticSource(cfg, V, seed=random.randrange(2**31))
-    bt = src.batch(step=random.randrange(100), rank=random.randrange(4), world=4)
-    B, S, P, G = cfg.batch_size, cfg.seq_len, cfg.prompt_len, cfg.group_size
+    bt = src.batch(step=random.randrange(100), rank=random.randrange(world), world=world)
+    # data.batch_size is the global batch: each of `world` data ranks holds its share
+    B, S, P, G = cfg.batch_size // world, cfg.seq_len, cfg.prompt_len, cfg.group_size
     assert bt.input_ids.shape == bt.labels.shape == bt.advantages.shape == bt.old_logprobs.shape == (B, S)
     assert bt.num_tokens == B * S
     assert bt.input_ids.dtype == bt.labels.dtype == torch.long
@@ -63,6 +67,31 @@ def test_synthetic_layout(cfg):
     # Uniform rollout policy on trained tokens, NaN elsewhere.
     torch.testing.assert_close(bt.old_logprobs[mask], torch.full((int(mask.sum()),), -math.log(V)))
     assert torch.isnan(bt.old_logprobs[~mask]).all()
+
+
+@pytest.mark.parametrize("source", ["synthetic", "jsonl"])
+def test_global_batch_is_the_same_on_any_world_size(tmp_path, source):
+    # Data ranks' shares, concatenated in rank order, are the world-1 batch of the same step.
+    if source == "synthetic":
+        cfg = DataConfig(batch_size=12, seq_len=19, prompt_len=4, group_size=3)
+        src = SyntheticSource(cfg, V, seed=random.randrange(2**31))
+    else:
+        rows = [{"prompt": [i % V], "response": [(i + 1) % V, (i + 2) % V], "advantage": i * 0.5}
+                for i in range(17)]  # not a multiple of the batch: the source wraps around
+        cfg = DataConfig(source="jsonl", path=str(_jsonl(tmp_path, rows)), batch_size=12,
+                         seq_len=5)
+        src = make_source(cfg, V, seed=0)
+    for step in (0, 3):
+        whole = src.batch(step, 0, 1)
+        assert whole.input_ids.shape[0] == 12
+        for world in (2, 3, 4, 6, 12):
+            parts = Batch.cat([src.batch(step, r, world) for r in range(world)])
+            for f in ("input_ids", "labels", "advantages", "old_logprobs"):
+                assert torch.equal(getattr(parts, f).nan_to_num(7.0),
+                                   getattr(whole, f).nan_to_num(7.0)), (step, world, f)
+    assert not torch.equal(src.batch(0, 0, 1).input_ids, src.batch(1, 0, 1).input_ids)
+    with pytest.raises(UserError, match=r"^data\.batch_size: 12 sequences .* 5 data ranks"):
+        src.batch(0, 0, 5)
 
 
 def test_synthetic_reward_follows_rule():
@@ -92,6 +121,7 @@ def _jsonl(tmp_path, lines, name="d.jsonl"):
 
 
 GOOD = {"prompt": [1, 2, 3], "response": [4, 5], "advantage": 0.5}
+ONE = {"prompt": [1], "response": [2, 3]}
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -108,22 +138,96 @@ GOOD = {"prompt": [1, 2, 3], "response": [4, 5], "advantage": 0.5}
     ({"prompt": [1], "response": [2], "advantage": "high"}, "advantage must be a number"),
     ({"prompt": [1], "response": [2], "advantage": True}, "advantage must be a number"),
     ("[1, 2]", "expected an object"),
+    # Python's json reads NaN and Infinity (strict JSON has neither); float32 overflows past 3.4e38
+    ('{"prompt": [1], "response": [2, 3], "advantage": NaN}', "advantage: nan is not a finite"),
+    ('{"prompt": [1], "response": [2, 3], "advantage": [0.5, -Infinity]}',
+     r"advantage\[1\]: -inf is not a finite"),
+    ({**ONE, "advantage": 1e39}, "advantage: 1e\\+39 is not a finite float32"),
+    ({**ONE, "advantage": [1.0, None]}, r"advantage\[1\]: None is not a number"),
+    ('{"prompt": [1], "response": [2, 3], "advantage": 1, "old_logprobs": [-1.0, Infinity]}',
+     r"old_logprobs\[1\]: inf is not a finite"),
+    ({**ONE, "advantage": 1.0, "old_logprobs": [-1.0, 0.25]}, r"old_logprobs\[1\]: 0.25 is positive"),
+    ({**ONE, "advantage": 1.0, "old_logprobs": ["x", -1.0]}, r"old_logprobs\[0\]: 'x' is not a number"),
+    ({**ONE, "advantage": 1.0, "loss_mask": [1, 0.5]}, r"loss_mask\[1\]: 0.5 is not 0 or 1"),
+    ({**ONE, "advantage": 1.0, "loss_mask": ["1", 0]}, r"loss_mask\[0\]: '1' is not 0 or 1"),
+    ({**ONE, "advantage": 1.0, "loss_mask": [2, 0]}, r"loss_mask\[0\]: 2 is not 0 or 1"),
+    ({**ONE, "advantage": 1.0, "loss_mask": [1.0, 0]}, r"loss_mask\[0\]: 1.0 is not 0 or 1"),
+    ('{"prompt": [1], "response": [2, 3], "advantage": 1, "reward": NaN}', "NaN is not valid JSON"),
+    # seq_len 6 trains at most 7 tokens (the last response token is only a label)
+    ({"prompt": [1] * 7, "response": [2], "advantage": 1.0}, "prompt: 7 tokens leave no room"),
+    ({"prompt": [1] * 4, "response": [2] * 4, "advantage": 1.0},
+     "response: prompt 4 \\+ response 4 tokens exceed data.seq_len=6"),
 ])
 def test_read_jsonl_errors_name_line_and_field(tmp_path, bad, msg):
     # The bad row is on line 4: a blank line still counts.
     p = _jsonl(tmp_path, [GOOD, GOOD, "", bad, GOOD])
     with pytest.raises(UserError, match=msg) as ei:
-        read_jsonl(p, vocab_size=40)
-    assert f"{p}:4:" in str(ei.value)
+        read_jsonl(p, vocab_size=40, seq_len=6)
+    assert str(ei.value).startswith(f"{p}:4: "), str(ei.value)
+    assert "\n" not in str(ei.value)
 
 
 def test_read_jsonl_missing_and_empty(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        read_jsonl(tmp_path / "nope.jsonl", 10)
+        read_jsonl(tmp_path / "nope.jsonl", 10, 8)
     with pytest.raises(UserError, match="no rows"):
-        read_jsonl(_jsonl(tmp_path, ["", "  "]), 10)
-    rows = read_jsonl(_jsonl(tmp_path, [GOOD, "", GOOD]), 10)
-    assert rows == [GOOD, GOOD]
+        read_jsonl(_jsonl(tmp_path, ["", "  "]), 10, 8)
+    data = read_jsonl(_jsonl(tmp_path, [GOOD, "", GOOD]), 10, 8)
+    assert data.rows == [GOOD, GOOD] and data.lines == [1, 3]
+    assert data.counts() == {"data_rows": 2, "data_dropped": 0, "data_truncated": 0,
+                             "data_masked": 0}
+
+
+def test_overlong_policies(tmp_path):
+    fits = {"prompt": [1, 2], "response": [3, 4, 5, 6, 7], "advantage": 1.0}   # 7 = seq_len + 1
+    long = {"prompt": [1, 2], "response": [3, 4, 5, 6, 7, 8, 9], "advantage": [0.1 * i for i in range(7)],
+            "old_logprobs": [-0.5] * 7, "loss_mask": [1, 1, 0, 1, 1, 1, 1]}
+    no_room = {"prompt": [1] * 7, "response": [2], "advantage": 1.0}
+    p = _jsonl(tmp_path, [fits, long, fits])
+    with pytest.raises(UserError, match=f"^{p}:2: response: prompt 2 \\+ response 7"):
+        read_jsonl(p, 40, seq_len=6)  # overlong=error is the default
+    drop = read_jsonl(p, 40, seq_len=6, overlong="drop")
+    assert drop.rows == [fits, fits] and drop.dropped == [2] and drop.lines == [1, 3]
+    assert drop.counts()["data_dropped"] == 1 and "1 dropped (line 2)" in drop.describe()
+    cut = read_jsonl(p, 40, seq_len=6, overlong="truncate")
+    assert cut.truncated == [False, True, False] and "1 truncated (line 2)" in cut.describe()
+    row = cut.rows[1]
+    assert row["response"] == [3, 4, 5, 6, 7] and row["loss_mask"] == [1, 1, 0, 1, 1]
+    assert row["advantage"] == long["advantage"][:5] and row["old_logprobs"] == [-0.5] * 5
+    # Truncation keeps every token that fits: the packed row trains response tokens 0, 1, 3, 4.
+    bt = JsonlSource(DataConfig(source="jsonl", path=str(p), batch_size=3, seq_len=6,
+                                overlong="truncate"), 40, data=cut).batch(0, 0, 1)
+    assert bt.truncated == 1 and bt.masked == 0
+    assert bt.labels[1].tolist() == [IGNORE, 3, 4, IGNORE, 6, 7]
+    # A prompt with no room is an error under truncate too, and dropped under drop.
+    q = _jsonl(tmp_path, [fits, no_room], name="q.jsonl")
+    with pytest.raises(UserError, match=f"^{q}:2: prompt: 7 tokens leave no room"):
+        read_jsonl(q, 40, seq_len=6, overlong="truncate")
+    assert read_jsonl(q, 40, seq_len=6, overlong="drop").dropped == [2]
+    with pytest.raises(UserError, match="no rows .*1 dropped"):
+        read_jsonl(_jsonl(tmp_path, [no_room], name="r.jsonl"), 40, seq_len=6, overlong="drop")
+
+
+def test_all_masked_rows_are_counted(tmp_path):
+    masked = {"prompt": [1], "response": [2, 3], "advantage": 1.0, "loss_mask": [0, 0]}
+    first_only = {"prompt": [], "response": [2], "advantage": 1.0}  # token 0 has no position
+    p = _jsonl(tmp_path, [GOOD, masked, first_only, GOOD])
+    data = read_jsonl(p, 40, seq_len=8)
+    assert data.masked == [2, 3] and data.counts()["data_masked"] == 2
+    assert "2 with no trained token" in data.describe()
+    src = JsonlSource(DataConfig(source="jsonl", path=str(p), batch_size=4, seq_len=8), 40,
+                      data=data)
+    bt = src.batch(0, 0, 1)
+    assert bt.masked == 2 and bt.truncated == 0
+    assert ((bt.labels != IGNORE).sum(1) == 0).tolist() == [False, True, True, False]
+    halves = [src.batch(0, r, 2) for r in range(2)]
+    assert [h.masked for h in halves] == [1, 1] and Batch.cat(halves).masked == 2
+
+
+def test_fit_keeps_fitting_rows_unchanged():
+    row = {"prompt": [1, 2, 3], "response": [4, 5, 6], "advantage": [1.0, 2.0, 3.0]}
+    for policy in ("error", "drop", "truncate"):
+        assert fit(row, 5, policy, "x:1") == (row, "ok")
 
 
 def test_pack_positions_advantages_mask():
@@ -152,36 +256,40 @@ def test_pack_positions_advantages_mask():
     assert torch.equal(bt.advantages[1, :2], torch.tensor([-0.75, -0.75]))
     assert (bt.advantages[1, 2:] == 0).all()
     assert torch.isnan(bt.old_logprobs[1]).all()
+    assert bt.masked == 0
 
 
-def test_pack_truncates_long_response():
-    s = {"prompt": [1, 2, 3], "response": [4, 5, 6, 7, 8], "advantage": [1.0, 2.0, 3.0, 4.0, 5.0]}
+def test_pack_fills_the_sequence_and_cuts_nothing():
+    # seq_len + 1 tokens fit: the last response token is the last position's label only.
+    s = {"prompt": [1, 2, 3], "response": [4, 5, 6], "advantage": [1.0, 2.0, 3.0]}
     bt = _pack([s], 5)
     assert torch.equal(bt.input_ids[0], torch.tensor([1, 2, 3, 4, 5]))
-    # Positions 2, 3, 4 predict responses 0, 1, 2; the last position's label lies past the inputs.
     assert torch.equal(bt.labels[0], torch.tensor([IGNORE, IGNORE, 4, 5, 6]))
     assert torch.equal(bt.advantages[0], torch.tensor([0.0, 0.0, 1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="more than seq_len"):
+        _pack([{**s, "response": [4, 5, 6, 7], "advantage": 1.0}], 5)
 
 
 def test_jsonl_round_robin(tmp_path):
-    n_rows, B, world = 7, 2, 3
+    n_rows, B, world = 7, 6, 3
     rows = [{"prompt": [i], "response": [i + 10, i + 20], "advantage": float(i)} for i in range(n_rows)]
     path = _jsonl(tmp_path, rows)
     cfg = DataConfig(source="jsonl", path=str(path), batch_size=B, seq_len=5)
     src = make_source(cfg, vocab_size=40, seed=0)
     assert isinstance(src, JsonlSource)
     seen = []
+    n = B // world
     for step in range(3):
         for rank in range(world):
             bt = src.batch(step, rank, world)
-            first = (step * world + rank) * B
-            want = [(first + i) % n_rows for i in range(B)]
+            first = step * B + rank * n  # global sequence index of the rank's first row
+            want = [(first + i) % n_rows for i in range(n)]
             assert bt.input_ids[:, 0].tolist() == want, (step, rank)
             assert bt.advantages[:, 0].tolist() == [float(w) for w in want]
             seen += want
     assert set(seen) == set(range(n_rows))
     # Same rows passed in directly give the same batches.
-    direct = JsonlSource(cfg, 40, rows=rows)
+    direct = JsonlSource(cfg, 40, data=JsonlData(path, rows, [False] * n_rows))
     assert torch.equal(direct.batch(2, 1, world).input_ids, src.batch(2, 1, world).input_ids)
 
 

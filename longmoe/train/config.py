@@ -5,6 +5,7 @@ dataclasses. Unknown fields and impossible values are rejected by name before an
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,6 +17,15 @@ from longmoe.config import ModelConfig, model_config_from
 from longmoe.errors import ConfigError
 
 _DTYPES = ("float32", "bfloat16", "float16")
+OVERLONG = ("error", "drop", "truncate")
+
+
+def _finite(field: str, value, low: float | None = None, strict: bool = False):
+    """One line naming the field for NaN, +-inf and values under `low` (or at it, if strict)."""
+    if not math.isfinite(value):
+        raise ConfigError(field, f"must be a finite number, got {value}")
+    if low is not None and (value <= low if strict else value < low):
+        raise ConfigError(field, f"must be {'>' if strict else '>='} {low:g}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -118,10 +128,18 @@ class ImplConfig:
 class DataConfig:
     source: str = "synthetic"       # synthetic | jsonl
     path: str = ""                  # JSONL file for source=jsonl
-    batch_size: int = 4             # sequences per rank per step
-    seq_len: int = 128              # tokens per sequence (prompt + response, padded)
+    # The global batch: sequences per optimizer step summed over the data ranks (world // cp;
+    # context-parallel ranks share sequences). Each data rank trains batch_size / data ranks, so
+    # a run resumed on another number of ranks trains the same batch.
+    batch_size: int = 4
+    # Tokens per sequence (padded). A sample trains prompt + response <= seq_len + 1 tokens: the
+    # last response token is only ever a label, never an input.
+    seq_len: int = 128
     prompt_len: int = 32            # synthetic prompts
     group_size: int = 4             # synthetic GRPO group: responses per prompt
+    # A JSONL sample longer than that: error (name the file and line), drop it, or truncate its
+    # response; dropped and truncated samples are counted at start and per step.
+    overlong: str = "error"
 
     def __post_init__(self):
         if self.source not in ("synthetic", "jsonl"):
@@ -134,6 +152,15 @@ class DataConfig:
         if self.source == "synthetic" and self.prompt_len >= self.seq_len:
             raise ConfigError("data.prompt_len", f"{self.prompt_len} leaves no room for a "
                                                  f"response in seq_len={self.seq_len}")
+        if self.overlong not in OVERLONG:
+            raise ConfigError("data.overlong", f"must be {', '.join(OVERLONG)}; got {self.overlong!r}")
+
+    def per_rank(self, data_ranks: int) -> int:
+        """Sequences each data rank trains per step."""
+        if self.batch_size % data_ranks:
+            raise ConfigError("data.batch_size", f"{self.batch_size} sequences do not split "
+                                                 f"evenly over {data_ranks} data ranks")
+        return self.batch_size // data_ranks
 
 
 @dataclass(frozen=True)
@@ -146,8 +173,11 @@ class LossConfig:
     def __post_init__(self):
         if self.type not in ("grpo", "sft"):
             raise ConfigError("loss.type", f"must be grpo or sft, got {self.type!r}")
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ConfigError("loss.clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
+        _finite("loss.clip_low", self.clip_low, 0.0)
+        if self.clip_low >= 1:
+            raise ConfigError("loss.clip_low", f"must be < 1, got {self.clip_low}")
+        _finite("loss.clip_high", self.clip_high, 0.0)
+        _finite("loss.entropy_coef", self.entropy_coef)
 
 
 @dataclass(frozen=True)
@@ -156,7 +186,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    grad_clip: float = 1.0          # 0 disables clipping
+    grad_clip: float = 1.0          # max global gradient norm; 0 disables clipping
     warmup_steps: int = 0
     # AdamW kernel: auto (fused on GPUs, foreach on CPU), fused (one pass over the fp32 state
     # per step), foreach (multi-tensor kernels, ~6 passes: 86 ms for 3.2B parameters on an H200)
@@ -167,10 +197,15 @@ class OptimConfig:
     def __post_init__(self):
         if self.impl not in ("auto", "foreach", "fused", "loop"):
             raise ConfigError("optim.impl", f"must be auto, foreach, fused or loop, got {self.impl!r}")
-        if self.lr <= 0:
-            raise ConfigError("optim.lr", f"must be > 0, got {self.lr}")
+        _finite("optim.lr", self.lr, 0.0, strict=True)
+        _finite("optim.eps", self.eps, 0.0, strict=True)
+        _finite("optim.weight_decay", self.weight_decay, 0.0)
+        _finite("optim.grad_clip", self.grad_clip, 0.0)
         if len(self.betas) != 2:
             raise ConfigError("optim.betas", "needs two values")
+        for b in self.betas:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+                raise ConfigError("optim.betas", f"each must be a number in [0, 1), got {b!r}")
         if self.warmup_steps < 0:
             raise ConfigError("optim.warmup_steps", "must be >= 0")
 
@@ -182,6 +217,9 @@ class TrainConfig:
     nproc: int = 1
     device: str = "auto"            # auto | cpu | cuda | rocm (a backend name)
     checkpoint_every: int = 0       # 0: only at the end when a checkpoint dir is given
+    # Steps with a non-finite loss or gradient norm are skipped (no update); this many in a row
+    # stop the run (exit code 3) with the last good checkpoint kept as `latest`.
+    max_bad_steps: int = 3
     # Hugging Face checkpoint directory to start from (each rank reads only its own slices);
     # ignored when resuming from a longmoe checkpoint.
     init_hf: str = ""
@@ -193,6 +231,11 @@ class TrainConfig:
             raise ConfigError("train.steps", f"must be >= 0, got {self.steps}")
         if self.nproc < 1:
             raise ConfigError("train.nproc", f"must be >= 1, got {self.nproc}")
+        if self.checkpoint_every < 0:
+            raise ConfigError("train.checkpoint_every", f"must be >= 0 (0: only at the end), "
+                                                        f"got {self.checkpoint_every}")
+        if self.max_bad_steps < 1:
+            raise ConfigError("train.max_bad_steps", f"must be >= 1, got {self.max_bad_steps}")
         if self.device not in ("auto", "cpu", "cuda", "rocm"):
             raise ConfigError("train.device", f"must be auto, cpu, cuda or rocm, got {self.device!r}")
 

@@ -12,18 +12,22 @@ jsonl      one object per line: {"prompt": [ids], "response": [ids], "advantage"
            on-policy), "loss_mask": [0/1 per response token] (optional)}.
 
 A batch holds tensors [B, S]: input_ids, labels (next token; -100 where not trained), advantages,
-old_logprobs (NaN where the rollout gave none: the trainer then uses the current policy's).
+old_logprobs (NaN where the rollout gave none: the trainer then uses the current policy's), and
+counts of its samples with no trained token and of those data.overlong truncated.
+
+data.batch_size is the global batch: data rank r of W trains sequences [r*B/W, (r+1)*B/W) of the
+step's B, whatever W is (sources key data by global sequence index).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from longmoe.data.validate import fit, parse_sample, trained_tokens
 from longmoe.errors import UserError
 from longmoe.train.config import DataConfig
 
@@ -36,10 +40,12 @@ class Batch:
     labels: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: torch.Tensor
+    masked: int = 0       # samples with no trained token (all-zero loss mask)
+    truncated: int = 0    # samples whose response data.overlong=truncate cut
 
     def to(self, device) -> "Batch":
         return Batch(*(t.to(device) for t in (self.input_ids, self.labels, self.advantages,
-                                                 self.old_logprobs)))
+                                                 self.old_logprobs)), self.masked, self.truncated)
 
     @property
     def num_tokens(self) -> int:
@@ -48,19 +54,24 @@ class Batch:
     @staticmethod
     def cat(batches: list["Batch"]) -> "Batch":
         return Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in
-                       ("input_ids", "labels", "advantages", "old_logprobs")))
+                       ("input_ids", "labels", "advantages", "old_logprobs")),
+                     sum(b.masked for b in batches), sum(b.truncated for b in batches))
 
 
-def _pack(samples: list[dict], seq_len: int) -> Batch:
+def _pack(samples: list[dict], seq_len: int, truncated: int = 0) -> Batch:
+    """Samples must fit (longmoe.data.validate.fit): nothing is cut here."""
     B = len(samples)
     ids = torch.zeros(B, seq_len, dtype=torch.long)
     labels = torch.full((B, seq_len), IGNORE, dtype=torch.long)
     adv = torch.zeros(B, seq_len)
     old = torch.full((B, seq_len), float("nan"))
     for b, s in enumerate(samples):
+        if len(s["prompt"]) + len(s["response"]) > seq_len + 1:
+            raise ValueError(f"sample {b} has {len(s['prompt']) + len(s['response'])} tokens, "
+                             f"more than seq_len + 1 = {seq_len + 1}")
         p = torch.as_tensor(s["prompt"], dtype=torch.long)
         r = torch.as_tensor(s["response"], dtype=torch.long)
-        toks = torch.cat([p, r])[:seq_len]
+        toks = torch.cat([p, r])[:seq_len]  # the last token of a full sample is a label only
         ids[b, : toks.numel()] = toks
         # Position t predicts token t+1; response token j sits at len(p)+j, so it is the label
         # of position len(p)+j-1, which must lie inside the sequence.
@@ -74,7 +85,8 @@ def _pack(samples: list[dict], seq_len: int) -> Batch:
         adv[b, t] = torch.as_tensor(a, dtype=torch.float32)[j] if isinstance(a, list) else float(a)
         if s.get("old_logprobs") is not None:
             old[b, t] = torch.as_tensor(s["old_logprobs"], dtype=torch.float32)[j]
-    return Batch(ids, labels, adv, old)
+    masked = int(((labels != IGNORE).sum(1) == 0).sum())
+    return Batch(ids, labels, adv, old, masked, truncated)
 
 
 def rule_walk(rule, start, follow, noise):
@@ -103,13 +115,14 @@ class SyntheticSource:
         self.rule = torch.randperm(vocab_size, generator=g)
 
     def batch(self, step: int, rank: int, world: int) -> Batch:
-        """This rank's `batch_size` sequences of the step's global batch. Each GRPO group is
-        drawn from its own generator keyed by (seed, step, global group index), so the global
-        batch is the same whatever the world size: a run resumed on other GPUs sees the data an
+        """Data rank `rank`'s share of the step's global batch. Each GRPO group is drawn from
+        its own generator keyed by (seed, step, global group index), so the global batch is the
+        same whatever the world size: a run resumed on other GPUs sees the data an
         uninterrupted run would have."""
         cfg, V, G = self.cfg, self.vocab, self.cfg.group_size
-        first = rank * cfg.batch_size
-        g0, g1 = first // G, (first + cfg.batch_size - 1) // G + 1
+        n = cfg.per_rank(world)
+        first = rank * n
+        g0, g1 = first // G, (first + n - 1) // G + 1
         P, R = cfg.prompt_len, cfg.seq_len - cfg.prompt_len + 1  # R: longest labelled response
         prompts, q, follow, noise = [], [], [], []
         for grp in range(g0, g1):
@@ -128,65 +141,81 @@ class SyntheticSource:
         lo = first - g0 * G
         samples = [{"prompt": prompts[i].tolist(), "response": resp[i].tolist(),
                     "advantage": float(adv.view(-1)[i]), "old_logprobs": [-math.log(V)] * R}
-                   for i in range(lo, lo + cfg.batch_size)]
+                   for i in range(lo, lo + n)]
         return _pack(samples, cfg.seq_len)
 
 
-def read_jsonl(path: str | Path, vocab_size: int) -> list[dict]:
-    """Load and validate every row; errors name the line and field."""
+@dataclass
+class JsonlData:
+    """The rows as trained, in file order (after data.overlong), and what the policy did."""
+    path: Path
+    rows: list[dict]
+    truncated: list[bool]                               # per row
+    lines: list[int] = field(default_factory=list)      # line number of each row
+    dropped: list[int] = field(default_factory=list)    # line numbers
+    masked: list[int] = field(default_factory=list)     # line numbers of rows training nothing
+    overlong: str = "error"
+
+    def counts(self) -> dict:
+        return {"data_rows": len(self.rows), "data_dropped": len(self.dropped),
+                "data_truncated": sum(self.truncated), "data_masked": len(self.masked)}
+
+    def describe(self) -> str:
+        def lines(ls):
+            return ", ".join(map(str, ls[:5])) + (", ..." if len(ls) > 5 else "")
+        parts = [f"data: {len(self.rows)} rows from {self.path}"]
+        cut = [ln for ln, t in zip(self.lines, self.truncated) if t]
+        if self.dropped or cut:
+            parts.append(f"data.overlong={self.overlong}: {len(self.dropped)} dropped"
+                         + (f" (line {lines(self.dropped)})" if self.dropped else "")
+                         + f", {len(cut)} truncated" + (f" (line {lines(cut)})" if cut else ""))
+        if self.masked:
+            parts.append(f"{len(self.masked)} with no trained token (loss_mask all 0; line "
+                         f"{lines(self.masked)})")
+        return "; ".join(parts)
+
+
+def read_jsonl(path: str | Path, vocab_size: int, seq_len: int,
+               overlong: str = "error") -> JsonlData:
+    """Load and check every row (errors name the file, line and field), then fit each into
+    seq_len under the data.overlong policy."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data.path: {path} does not exist")
-    rows = []
-    for ln, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{ln}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{where}: expected an object")
-        for key in ("prompt", "response", "advantage"):
-            if key not in row:
-                raise UserError(f"{where}: missing field {key!r}")
-        for key in ("prompt", "response"):
-            ids = row[key]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                    for t in ids):
-                raise UserError(f"{where}: {key} must be a list of integer token ids")
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise UserError(f"{where}: {key} token id {bad[0]} is outside [0, {vocab_size})")
-        if not row["response"]:
-            raise UserError(f"{where}: response is empty")
-        n = len(row["response"])
-        for key in ("old_logprobs", "loss_mask"):
-            if row.get(key) is not None and (not isinstance(row[key], list) or len(row[key]) != n):
-                raise UserError(f"{where}: {key} must be a list of {n} values (one per response token)")
-        a = row["advantage"]
-        if isinstance(a, list):
-            if len(a) != n:
-                raise UserError(f"{where}: advantage list has {len(a)} values, response has {n}")
-        elif isinstance(a, bool) or not isinstance(a, (int, float)):
-            raise UserError(f"{where}: advantage must be a number or a list of numbers")
-        rows.append(row)
-    if not rows:
-        raise UserError(f"{path}: no rows")
-    return rows
+    data = JsonlData(path, [], [], overlong=overlong)
+    with open(path) as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{ln}"
+            row, status = fit(parse_sample(line, where, vocab_size), seq_len, overlong, where)
+            if row is None:
+                data.dropped.append(ln)
+                continue
+            data.rows.append(row)
+            data.lines.append(ln)
+            data.truncated.append(status == "truncated")
+            if trained_tokens(row, seq_len) == 0:
+                data.masked.append(ln)
+    if not data.rows:
+        raise UserError(f"{path}: no rows" + (f" ({len(data.dropped)} dropped by "
+                                              f"data.overlong=drop)" if data.dropped else ""))
+    return data
 
 
 class JsonlSource:
-    def __init__(self, cfg: DataConfig, vocab_size: int, rows: list[dict] | None = None):
+    def __init__(self, cfg: DataConfig, vocab_size: int, data: JsonlData | None = None):
         self.cfg = cfg
-        self.rows = rows if rows is not None else read_jsonl(cfg.path, vocab_size)
+        self.data = data or read_jsonl(cfg.path, vocab_size, cfg.seq_len, cfg.overlong)
 
     def batch(self, step: int, rank: int, world: int) -> Batch:
-        B = self.cfg.batch_size
-        first = (step * world + rank) * B
-        picked = [self.rows[(first + i) % len(self.rows)] for i in range(B)]
-        return _pack(picked, self.cfg.seq_len)
+        """Rows in file order, wrapping around: step s trains rows [s*B, (s+1)*B) of the
+        global batch B, data rank r its slice of them."""
+        B, n, rows = self.cfg.batch_size, self.cfg.per_rank(world), self.data.rows
+        first = step * B + rank * n
+        picked = [(first + i) % len(rows) for i in range(n)]
+        return _pack([rows[i] for i in picked], self.cfg.seq_len,
+                     truncated=sum(self.data.truncated[i] for i in picked))
 
 
 def make_source(cfg: DataConfig, vocab_size: int, seed: int):

@@ -1,8 +1,15 @@
-"""Live per-step progress, the JSONL metrics file, and the final summary table (rank 0 only)."""
+"""Live per-step progress, the JSONL metrics file, and the final summary table (rank 0 only).
+
+The metrics file is strict JSON, one object per step: non-finite numbers are written as null.
+A run rewrites it from its first step on: rows of a run it resumed stay up to the step it resumed
+from, later ones (trained again now) go, and a fresh run starts it empty.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +21,30 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
+def strict(v):
+    """`v` with every non-finite float replaced by None (JSON null)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [strict(x) for x in v]
+    return v
+
+
+def dumps(row: dict) -> str:
+    return json.dumps(strict(row), allow_nan=False)
+
+
+def _skip_note(m: dict) -> str:
+    if m.get("skipped") == "nonfinite":
+        return (f"  SKIPPED: non-finite loss or gradient norm ({m.get('bad_steps', 1)} in a row), "
+                f"no update")
+    if m.get("skipped") == "no_tokens":
+        return "  SKIPPED: no trained tokens, no update"
+    return ""
+
+
 class Progress:
     def __init__(self, enabled: bool, total_steps: int, metrics_out: str | None, memory_label: str):
         self.enabled, self.total = enabled, total_steps
@@ -21,28 +52,55 @@ class Progress:
         self.rows: list[dict] = []
         self.memory_label = memory_label
         self.t0 = time.perf_counter()
+        self.metrics_out = metrics_out if enabled else None
         self.out = None
-        if enabled and metrics_out:
-            Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
-            self.out = open(metrics_out, "a")
 
     def info(self, msg: str):
         if self.enabled:
             self.console.print(msg)
 
+    def _open(self, first_step: int):
+        """Keep the file's rows up to step first_step - 1 (strict JSON), then append."""
+        path = Path(self.metrics_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)  # lenient: an older file may hold bare NaN
+                except ValueError:
+                    continue  # a line a killed run left half-written
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and \
+                        row["step"] < first_step:
+                    kept.append(dumps(row) + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self.out = open(path, "a")
+
     def step(self, m: dict):
         if not self.enabled:
             return
         self.rows.append(m)
+        if self.metrics_out and self.out is None:
+            self._open(m["step"])
         if self.out:
-            self.out.write(json.dumps(m) + "\n")
+            self.out.write(dumps(m) + "\n")
             self.out.flush()
+        masked = m.get("masked_samples") or 0
         self.console.print(
             f"step {m['step']:>4}/{self.total}  loss {m['loss']:+.5f}  aux {m['aux_loss']:.4f}  "
             f"gnorm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s  "
             f"peak {_gib(m['peak_mem_bytes'])}  {m['step_time_s']:.2f} s  "
             f"{m['hw_tflops_per_gpu']:.3g} hw TFLOPS/rank"
-            + (f"  MFU {m['mfu']:.1%}" if m.get("mfu") else ""))
+            + (f"  MFU {m['mfu']:.1%}" if m.get("mfu") else "")
+            + (f"  {masked} sample(s) with no trained token" if masked else "")
+            + _skip_note(m))
+
+    def close(self):
+        if self.out:
+            self.out.close()
+            self.out = None
 
     def summary(self, extra: dict | None = None) -> dict:
         if not self.enabled:
@@ -56,7 +114,8 @@ class Progress:
                      mean_tokens_per_s=sum(tps) / len(tps),
                      mean_hw_tflops_per_gpu=sum(hw) / len(hw),
                      peak_mem_bytes=max(r["peak_mem_bytes"] for r in self.rows),
-                     last_grad_norm=self.rows[-1]["grad_norm"])
+                     last_grad_norm=self.rows[-1]["grad_norm"],
+                     skipped_steps=sum(1 for r in self.rows if r.get("skipped")))
         s.update(extra or {})
         t = Table(title="longmoe train: summary")
         t.add_column("metric")
@@ -68,6 +127,5 @@ class Progress:
                 v = f"{v:,.5f}" if abs(v) < 100 else f"{v:,.1f}"
             t.add_row(k, str(v))
         self.console.print(t)
-        if self.out:
-            self.out.close()
+        self.close()
         return s

@@ -43,7 +43,7 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         for block in model.layers:
             block.attn.cp = cp
     backend = active_backend()
-    local_tokens = run.data.batch_size * run.data.seq_len // layout.cp
+    local_tokens = run.data.per_rank(layout.data_world) * run.data.seq_len // layout.cp
     a2a, model.transport_source = resolve_transport(par.a2a_transport, backend, device, layout.ep,
                                                     cfg.hidden_size, cfg.top_k, par.param_dtype,
                                                     local_tokens, par.chunk_by)
@@ -119,10 +119,16 @@ def finish_grads(model: nn.Module, layout: Layout, fsdp: bool):
             g.div_(layout.ep)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=None) -> float:
-    """Global L2 norm over every gradient element exactly once, whatever its sharding: DTensor
-    shards are disjoint across the world; replicated plain tensors are counted 1/copies.
-    grad_of(p) gives the gradient to use for parameter p (fp32 master gradients); default p.grad."""
+def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=None,
+                   loss: torch.Tensor | None = None) -> tuple[float, bool]:
+    """(global L2 norm over every gradient element exactly once, whatever its sharding; whether
+    the step is finite). DTensor shards are disjoint across the world; replicated plain tensors
+    are counted 1/copies. grad_of(p) gives the gradient to use for parameter p (fp32 master
+    gradients); default p.grad.
+
+    The step is finite when the norm and every rank's `loss` are: the loss flag rides in the
+    norm's all-reduce, so every rank reaches the same verdict from the one host read the norm
+    already costs. A non-finite step's gradients are left unscaled (the step applies none)."""
     experts = _expert_param_ids(model)
     sq = None
     grads = []
@@ -137,13 +143,32 @@ def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=No
             copies = layout.world // layout.ep if id(p) in experts else layout.world
         s = g.detach().float().pow(2).sum() / copies
         sq = s if sq is None else sq + s
-    if sq is None:
-        return 0.0
+    # On the compute device, where the collective backend works (offloaded grads are on the host)
+    dev = loss.device if loss is not None else (sq.device if sq is not None else "cpu")
+    sq = torch.zeros((), device=dev) if sq is None else sq.to(dev)
+    bad = (~torch.isfinite(loss.detach().float()) if loss is not None
+           else torch.zeros((), dtype=torch.bool, device=dev))
+    both = torch.stack([sq, bad.float()])
     if layout.world > 1:
-        dist.all_reduce(sq, group=layout.batch_group)
-    norm = float(sq.sqrt())
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        dist.all_reduce(both, group=layout.batch_group)
+    total, bad_losses = both.tolist()
+    norm = math.sqrt(total) if total >= 0 else float("nan")
+    finite = math.isfinite(norm) and bad_losses == 0
+    if finite and max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
             g.mul_(scale)
-    return norm
+    return norm, finite
+
+
+@torch.no_grad()
+def all_finite(tensors, layout: Layout, device) -> bool:
+    """Whether every element of every rank's tensors (DTensors: their local shards) is finite:
+    one flag, all-reduced on `device` (the compute device)."""
+    bad = torch.zeros((), device=device)
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        bad = torch.maximum(bad, (~torch.isfinite(t)).any().float().to(device))
+    if layout.world > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=layout.batch_group)
+    return float(bad) == 0

@@ -28,7 +28,8 @@ def local_batch(batch: Batch, layout: Layout):
     pos = zigzag_positions(batch.input_ids.shape[1], layout.cp, layout.cp_rank,
                            batch.input_ids.device)
     return Batch(*(split_sequence(t, pos) for t in (batch.input_ids, batch.labels,
-                                                    batch.advantages, batch.old_logprobs))), pos
+                                                    batch.advantages, batch.old_logprobs)),
+                 batch.masked, batch.truncated), pos  # counts of whole samples, as on every CP rank
 
 
 def forward_backward(model, batch: Batch, run: RunConfig, layout: Layout, global_tokens: int,

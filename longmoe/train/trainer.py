@@ -1,12 +1,18 @@
 """The per-rank policy-update loop: build the layout and model, then for each step fetch this rank's
 batch, run forward (linear-CE log-probs) and the RL loss, backward, clip, AdamW, log, checkpoint.
+
+A step whose loss or gradient norm is non-finite on any rank is skipped: no AdamW update (its
+moments and step count stay), no master-weight copy, no router expert-bias update. The learning
+rate schedule still advances: it is a function of the step index, which is how a resumed run
+rebuilds it. train.max_bad_steps such steps in a row stop the run (TrainingStopped, exit code 3)
+without saving. A step with no trained token on any rank is skipped the same way, without counting
+as bad. Parameters are checked finite before every save.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -15,6 +21,7 @@ import torch.distributed as dist
 
 from longmoe.backends import active_backend, get_backend
 from longmoe.backends.base import Backend
+from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
 from longmoe.parallel.mesh import build_layout
@@ -24,7 +31,7 @@ from longmoe.train.data import make_source
 from longmoe.train.progress import Progress
 from longmoe.train.precision import MasterWeights
 from longmoe.train.impl_check import check_on_rank
-from longmoe.train.setup import build_model, clip_grad_norm, torch_dtype
+from longmoe.train.setup import all_finite, build_model, clip_grad_norm, torch_dtype
 from longmoe.train.step import forward_backward, global_token_count, local_batch
 
 
@@ -34,6 +41,11 @@ class RunOptions:
     checkpoint_dir: str | None = None
     resume: bool = False
     profile_dir: str | None = None   # profile one step (the third, or the last of fewer)
+
+
+class TrainingStopped(Exception):
+    """The run stopped itself (non-finite steps or weights); the message is the one line to show."""
+    exit_code = 3
 
 
 def resolve_backend(device: str) -> Backend:
@@ -96,6 +108,9 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
     source = make_source(run.data, run.model.vocab_size, run.train.seed)
     progress = Progress(rank == 0, run.train.steps, opts.metrics_out, backend.memory_label)
+    data_counts = source.data.counts() if hasattr(source, "data") else {}
+    if data_counts:
+        progress.info(source.data.describe())
     peak_flops = dense_peak_flops(backend.probe())
     model_meta = asdict(run.model)
     model_meta["layer_types"] = list(model_meta["layer_types"])
@@ -129,6 +144,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                       f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
+    bad_in_a_row = first_bad = 0
     for step in range(start, run.train.steps):
         batch, positions = local_batch(source.batch(step, layout.data_rank, layout.data_world)
                                        .to(device), layout)
@@ -142,23 +158,31 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
             loss, aux, stats = forward_backward(model, batch, run, layout, global_tokens, positions)
             if master:
                 master.grads_to_master()
-            gnorm = clip_grad_norm(model, o.grad_clip, layout, master.grad_of if master else None)
-            optim.step()
+            gnorm, finite = clip_grad_norm(model, o.grad_clip, layout,
+                                           master.grad_of if master else None, loss=loss + aux)
+            skipped = "nonfinite" if not finite else "no_tokens" if global_tokens == 0 else None
+            if skipped is None:
+                optim.step()
+                if master:
+                    master.master_to_model()
+                for moe in model.moe_layers():
+                    moe.router.update_expert_bias()
             optim.zero_grad(set_to_none=True)
-            if master:
-                master.master_to_model()
             sched.step()
-            for moe in model.moe_layers():
-                moe.router.update_expert_bias()
             backend.synchronize()
         dt = time.perf_counter() - t0
         if prof is not None:
             write_profile(prof, opts.profile_dir, rank, backend)
             progress.info(f"profile of step {step + 1} (timed with the profiler on): "
                           f"{opts.profile_dir}")
+        if skipped == "nonfinite":
+            bad_in_a_row += 1
+            first_bad = step + 1 if bad_in_a_row == 1 else first_bad
+        elif skipped is None:
+            bad_in_a_row = 0
 
         keys = ["entropy", "logprob_sum", "clip_frac"]
-        vals = _sum([float(loss), float(aux), batch.num_tokens]
+        vals = _sum([float(loss), float(aux), batch.num_tokens, batch.masked, batch.truncated]
                     + [float(stats.get(k, 0.0)) for k in keys], device)
         peak, = _sum([backend.peak_memory_bytes()], device, dist.ReduceOp.MAX)
         slowest, = _sum([dt], device, dist.ReduceOp.MAX)
@@ -168,47 +192,79 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         progress.step({
             "step": step + 1, "loss": vals[0], "aux_loss": vals[1], "grad_norm": gnorm,
             "tokens_per_s": vals[2] / slowest, "peak_mem_bytes": int(peak),
-            "step_time_s": slowest, "lr": sched.get_last_lr()[0], "entropy": vals[3] / g,
-            "mean_logprob": vals[4] / g, "clip_frac": vals[5] / g,
+            "step_time_s": slowest, "lr": sched.get_last_lr()[0], "entropy": vals[5] / g,
+            "mean_logprob": vals[6] / g, "clip_frac": vals[7] / g,
             "trained_tokens": int(global_tokens), "tokens": int(vals[2]),
             "model_tflops_per_gpu": model_tflops,
             "hw_tflops_per_gpu": fl.hardware / slowest / world / 1e12,
-            "mfu": model_tflops * 1e12 / peak_flops if peak_flops else None})
+            "mfu": model_tflops * 1e12 / peak_flops if peak_flops else None,
+            # a sample sits on each of its cp ranks
+            "masked_samples": round(vals[3] / layout.cp),
+            "truncated_samples": round(vals[4] / layout.cp),
+            "skipped": skipped, "bad_steps": bad_in_a_row})
+        if bad_in_a_row >= run.train.max_bad_steps:
+            progress.close()
+            raise TrainingStopped(
+                f"training stopped after step {step + 1}: steps {first_bad}-{step + 1} had a "
+                f"non-finite loss or gradient norm and applied no update ({bad_in_a_row} in a "
+                f"row, train.max_bad_steps={run.train.max_bad_steps}); " + _kept(opts))
 
         every = run.train.checkpoint_every
         last = step + 1 == run.train.steps
         if opts.checkpoint_dir and ((every and (step + 1) % every == 0) or last):
+            if not all_finite(model.parameters(), layout, device):
+                progress.close()
+                raise TrainingStopped(f"training stopped after step {step + 1}: the parameters "
+                                      f"are not finite, so they were not saved; "
+                                      + _kept(opts))
             saved_by = {"world": world, "ep": layout.ep, "cp": layout.cp}  # informational
             path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim,
                              {"model": model_meta, "layout": saved_by}, backend)
             progress.info(f"checkpoint: {path}")
     if run.train.export_hf:
+        if not all_finite(model.parameters(), layout, device):
+            raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
         from longmoe.model.hf import export_hf
         out = export_hf(model, run.model, run.train.export_hf,
                         dtype=torch.bfloat16 if device.type != "cpu" else torch.float32)
         progress.info(f"exported Hugging Face checkpoint: {out}")
-    return progress.summary({"world": world, "backend": backend.name})
+    return progress.summary({"world": world, "backend": backend.name, **data_counts})
+
+
+def _kept(opts: RunOptions) -> str:
+    """Which checkpoint a stopped run leaves as `latest`."""
+    if not opts.checkpoint_dir:
+        return "no checkpoint directory was given"
+    try:
+        path = ckpt.latest(opts.checkpoint_dir)
+    except UserError as e:
+        return str(e)
+    return f"the latest checkpoint is {path}" if path else "no checkpoint was saved"
 
 
 def rank_main(local_rank: int, world: int, run: RunConfig, opts: RunOptions, rendezvous: str):
     """Entry of a spawned rank (single node: rank == local_rank). `rendezvous` is a file path
     unique to this launch: a file store cannot collide with another job the way a probed
-    free TCP port can when several launches start at once."""
+    free TCP port can when several launches start at once. A multi-rank caller must leave the
+    process with os._exit (see longmoe.train.launch): interpreter finalisation can abort while
+    gloo's worker threads still hold tensors, after all work has finished and been written."""
     backend = resolve_backend(run.train.device)
     check_on_rank(run, backend, local_rank)
     init_distributed(backend, local_rank, world, local_rank, f"file://{rendezvous}")
     try:
         train(run, opts, backend, backend.device(local_rank))
+    except TrainingStopped:  # every rank stops at the same step: leave as after a full run
         leave_together()
-    finally:
         dist.destroy_process_group()
-    if world > 1:
-        # A spawned rank is its own process: skip interpreter finalisation, where gloo's worker
-        # threads, still holding tensors, can abort the process (SIGABRT, "terminate called
-        # without an active exception") after all work has finished and been written.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        raise
+    except BaseException:
+        # Alone, tidy up; with peers, do not wait for them: they may be inside a collective
+        # this rank will never join. The process exits next, which closes its connections.
+        if world == 1:
+            dist.destroy_process_group()
+        raise
+    leave_together()
+    dist.destroy_process_group()
 
 
 def leave_together():

@@ -1,0 +1,1 @@
+"""Policy-update data: checks of single samples (validate), shared by every data source."""

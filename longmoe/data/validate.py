@@ -1,0 +1,124 @@
+"""Checks of one policy-update sample (a JSONL row). Every error is one line naming the place
+(`file:line`) and the field; a sample is never changed without being counted.
+
+Response token j is the label of position len(prompt) + j - 1, so a sample fits a sequence of
+S tokens when prompt + response has at most S + 1 tokens: the last response token is only ever
+a label, never an input. `fit` applies the data.overlong policy to one that does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from longmoe.errors import UserError
+
+# Advantages and log-probs train in float32: a larger magnitude would become infinite there.
+F32_MAX = 3.4028234663852886e38
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(where: str, field: str, v) -> None:
+    if not math.isfinite(v) or abs(v) > F32_MAX:
+        raise UserError(f"{where}: {field}: {v} is not a finite float32 number")
+
+
+def _per_token(row: dict, key: str, n: int, where: str) -> list | None:
+    vals = row.get(key)
+    if vals is None:
+        return None
+    if not isinstance(vals, list) or len(vals) != n:
+        raise UserError(f"{where}: {key} must be a list of {n} values (one per response token)")
+    return vals
+
+
+def parse_sample(line: str, where: str, vocab_size: int) -> dict:
+    """The row of one JSONL line, checked field by field."""
+    constants: list[str] = []
+
+    def constant(name: str) -> float:  # Python's json accepts NaN and Infinity; JSON does not
+        constants.append(name)
+        return float(name)
+
+    try:
+        row = json.loads(line, parse_constant=constant)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object")
+    check_sample(row, where, vocab_size)
+    if constants:  # outside the fields check_sample reads, which name their own
+        raise UserError(f"{where}: {constants[0]} is not valid JSON (no NaN or Infinity)")
+    return row
+
+
+def check_sample(row: dict, where: str, vocab_size: int) -> None:
+    for key in ("prompt", "response", "advantage"):
+        if key not in row:
+            raise UserError(f"{where}: missing field {key!r}")
+    for key in ("prompt", "response"):
+        ids = row[key]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in ids):
+            raise UserError(f"{where}: {key} must be a list of integer token ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise UserError(f"{where}: {key} token id {bad[0]} is outside [0, {vocab_size})")
+    n = len(row["response"])
+    if not n:
+        raise UserError(f"{where}: response is empty")
+    a = row["advantage"]
+    if isinstance(a, list):
+        if len(a) != n:
+            raise UserError(f"{where}: advantage list has {len(a)} values, response has {n}")
+        for i, v in enumerate(a):
+            if not _is_number(v):
+                raise UserError(f"{where}: advantage[{i}]: {v!r} is not a number")
+            _finite(where, f"advantage[{i}]", v)
+    elif _is_number(a):
+        _finite(where, "advantage", a)
+    else:
+        raise UserError(f"{where}: advantage must be a number or a list of numbers")
+    old = _per_token(row, "old_logprobs", n, where)
+    for i, v in enumerate(old or []):
+        if not _is_number(v):
+            raise UserError(f"{where}: old_logprobs[{i}]: {v!r} is not a number")
+        _finite(where, f"old_logprobs[{i}]", v)
+        if v > 0:
+            raise UserError(f"{where}: old_logprobs[{i}]: {v} is positive (a log-probability "
+                            f"is <= 0)")
+    for i, v in enumerate(_per_token(row, "loss_mask", n, where) or []):
+        if type(v) is not int or v not in (0, 1):
+            raise UserError(f"{where}: loss_mask[{i}]: {v!r} is not 0 or 1")
+
+
+def fit(row: dict, seq_len: int, policy: str, where: str) -> tuple[dict | None, str]:
+    """(the sample as trained or None, "ok" | "dropped" | "truncated") under data.overlong."""
+    P, R = len(row["prompt"]), len(row["response"])
+    if P + R <= seq_len + 1:
+        return row, "ok"
+    if policy == "drop":
+        return None, "dropped"
+    if P > seq_len:  # not even the first response token would have a position
+        raise UserError(f"{where}: prompt: {P} tokens leave no room for a response in "
+                        f"data.seq_len={seq_len}")
+    if policy == "error":
+        raise UserError(f"{where}: response: prompt {P} + response {R} tokens exceed "
+                        f"data.seq_len={seq_len} (a sample trains at most {seq_len + 1}); "
+                        f"data.overlong=drop or truncate trains the rest")
+    keep = seq_len + 1 - P
+    cut = dict(row)
+    for key in ("response", "advantage", "old_logprobs", "loss_mask"):
+        if isinstance(row.get(key), list):
+            cut[key] = row[key][:keep]
+    return cut, "truncated"
+
+
+def trained_tokens(row: dict, seq_len: int) -> int:
+    """Response tokens of a fitting sample that get a label (its loss mask and position)."""
+    P, mask = len(row["prompt"]), row.get("loss_mask")
+    return sum(1 for j in range(len(row["response"]))
+               if 0 <= P + j - 1 < seq_len and (mask is None or mask[j]))
