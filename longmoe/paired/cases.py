@@ -94,13 +94,19 @@ def policy_inputs(g, lp0, mask, objective: Objective, sample_ids) -> TokenInputs
     tokens (NaN old), TIS weights above the cap, a reference policy away from the current."""
     T = lp0.numel()
     dev = lp0.device
+    trained = mask.nonzero()[:, 0].cpu()
+    trained = trained[torch.randperm(trained.numel(), generator=g)].to(dev)
+    n_far = max(4, trained.numel() // 8)
+    far, on_policy = trained[:n_far], trained[n_far:n_far + trained.numel() // 5]
     old = lp0 + 0.4 * torch.randn(T, generator=g, dtype=torch.float64).to(dev)
-    far = torch.randperm(T, generator=g)[: max(2, T // 8)].to(dev)
-    old[far] = lp0[far] - 1.5 - torch.rand(far.numel(), generator=g, dtype=torch.float64).to(dev)
+    # Ratios e^1.5-e^2.5 on `far` tokens: beyond the clip bound for A > 0, past the dual-clip
+    # bound for A < 0 (half of them each).
+    old[far] = lp0[far] - 1.5 - torch.rand(n_far, generator=g, dtype=torch.float64).to(dev)
     roll = (old + 0.6 * torch.randn(T, generator=g, dtype=torch.float64).to(dev)).clamp(max=0)
-    old[torch.randperm(T, generator=g)[: T // 5].to(dev)] = float("nan")  # on-policy tokens
+    old[on_policy] = float("nan")
     ref = (lp0 + 0.5 * torch.randn(T, generator=g, dtype=torch.float64).to(dev)).clamp(max=0)
     adv = torch.randn(T, generator=g).to(dev)
+    adv[far[0::2]], adv[far[1::2]] = -adv[far[0::2]].abs(), adv[far[1::2]].abs()
     sample_tokens = sample_token_counts(mask, sample_ids.to(dev))
     n_tokens, n_samples = counts_to_int(local_counts(mask, sample_tokens))
     weights = objective.token_weights(mask, n_tokens, n_samples, sample_tokens)
@@ -144,9 +150,11 @@ def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32
     # it can sit near 0: its error is measured against the size of its terms, sum |w * loss|.
     per_token = objective.token_loss(lp0, ent0, x.map(lambda t: t.double()), mask)
     scales = {"loss": float(per_token.abs().sum())}
-    for k, a, b in zip(("loss", "logprobs", "entropy", "dH", "dW"), run(name, dtype),
+    cand = run(name, dtype)
+    for k, a, b in zip(("loss", "logprobs", "entropy", "dH", "dW"), cand,
                        run("reference", _ref_dtype(dtype))):
         res.add(k, a, b, scales.get(k))
+    res.info["loss"] = float(cand[0])
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
     _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
