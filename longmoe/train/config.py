@@ -85,8 +85,8 @@ class ImplConfig:
     grouped_mm: str = "auto"
     gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_compiled | chunked | reference
     recompute: str = "auto"
-    # GRPO loss inside the LM head with gradients in the forward (auto | fused | fused_torch |
-    # reference), or "unfused": log-probs from linear_ce, then the loss on them.
+    # The policy objective (loss.*) inside the LM head with gradients in the forward (auto |
+    # fused | fused_torch | reference), or "unfused": log-probs from linear_ce, then the loss.
     policy_loss: str = "auto"
     # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | reference.
     moe_rows: str = "auto"
