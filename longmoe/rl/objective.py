@@ -151,19 +151,25 @@ class Objective:
             pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
         tis = None
         if self.tis_cap:
-            roll = x.rollout_logprobs.to(logp.dtype)
+            roll = self._given(x, "rollout_logprobs").to(logp.dtype)
             tis = torch.clamp(torch.exp(torch.where(mask, old - roll, 0.0)), max=self.tis_cap).detach()
         return adv, old, ratio, s1, s2, pg, capped, tis
 
     def _kl(self, logp, x: TokenInputs, mask):
         """(k per token, dk/dlogp), d = ref - logp; expm1 keeps k3 exact near d = 0."""
-        d = torch.where(mask, x.ref_logprobs.to(logp.dtype) - logp, 0.0)
+        d = torch.where(mask, self._given(x, "ref_logprobs").to(logp.dtype) - logp, 0.0)
         if self.kl_estimator == "k1":
             return -d, torch.ones_like(d)
         if self.kl_estimator == "k2":
             return 0.5 * d * d, -d
         e = torch.expm1(d)
         return e - d, -e
+
+    def _given(self, x: TokenInputs, name: str) -> torch.Tensor:
+        t = getattr(x, name)
+        if t is None:
+            raise ValueError(f"{name}: required ({self.required_logprobs()[name]})")
+        return t
 
     def _need_entropy(self, entropy):
         if self.entropy_coef and entropy is None:
