@@ -16,7 +16,8 @@ from longmoe.errors import UserError
 # primitive -> what is compared (the `longmoe paired --help` list)
 PRIMITIVES = {
     "linear_ce": "linear cross-entropy: log-probs, entropy, CE loss and their gradients",
-    "policy_loss": "the GRPO/PPO loss fused into the LM head, with its gradients",
+    "policy_loss": "the policy objective fused into the LM head (clip, dual clip, KL, TIS, "
+                   "entropy, per-sample mean on packed rows), with its gradients",
     "grouped_mm": "the experts' grouped GEMM, output and gradients",
     "moe_rows": "the MoE layer's row ops: combine, dispatch gradient, SwiGLU",
     "router_matmul": "the router's logits GEMMs (bf16 in, fp32 out) and their gradients",

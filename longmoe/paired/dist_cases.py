@@ -155,9 +155,10 @@ def _step_rank(rank, world, backend, run_dict, seed):
 
 def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
                   num_layers=2, seq_len=48, batch_size=4, cp=1, cpu_offload=False,
-                  preset="tiny", gated_delta="auto") -> dict:
+                  preset="tiny", gated_delta="auto", loss: dict | None = None) -> dict:
     """batch_size: the global batch (data.batch_size)."""
     return {"model": {"preset": preset, "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
+            "loss": dict(loss or {}),
             "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp,
                          "cp": cp, "cpu_offload": cpu_offload},
             "impl": {"linear_ce": linear_ce, "ce_chunk_tokens": 40 if linear_ce == "chunked" else 0,

@@ -60,7 +60,8 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
         raise UserError(f"data.seq_len: {run.data.seq_len} exceeds model.max_seq_len="
                         f"{run.model.max_seq_len}")
     if run.data.source == "jsonl":
-        read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong)
+        read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong,
+                   require=run.loss.required_logprobs())
     try:
         backend = resolve_backend(run.train.device)
     except (ValueError, RuntimeError) as e:

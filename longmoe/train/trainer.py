@@ -104,7 +104,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                               **kernel[impl])
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
-    source = make_source(run.data, run.model.vocab_size, run.train.seed)
+    source = make_source(run.data, run.model.vocab_size, run.train.seed,
+                         require=run.loss.required_logprobs())
     progress = Progress(rank == 0, run.train.steps, opts.metrics_out, backend.memory_label)
     data_counts = source.data.counts() if hasattr(source, "data") else {}
     if data_counts:
