@@ -239,3 +239,14 @@ def test_bad_arguments():
         named_weights_for_rollout(m, cfg, lay, 0)
     with pytest.raises(UserError, match="senders must be one of owners, rank0"):
         named_weights_for_rollout(m, cfg, lay, BUCKET, senders="all")
+
+
+def test_weight_sync_bench_smoke(tmp_path):
+    from longmoe.bench.weight_sync import markdown_table, run_bench
+    r = run_bench(None, ["model.preset=tiny-hybrid"], 0.01, "bfloat16", 1, str(tmp_path / "x"))
+    exported = _exported(tmp_path / "x")
+    assert r["tensors"] == len(exported)
+    assert r["bytes_per_rank"] == r["receive_buffer_bytes"] == sum(
+        t.numel() * t.element_size() for t in exported.values())
+    assert r["buckets"] > 1 and r["handoff_s"] > 0 and r["export_hf_s"] > 0
+    assert "tiny-hybrid" in markdown_table(r)
