@@ -344,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--profile", metavar="DIR",
                     help="profile each run's third step into DIR/<stage>-<tokens>/")
     bp.set_defaults(fn=_cmd_bench_path)
+    __import__("longmoe.bench.weight_sync", fromlist=["add_parser"]).add_parser(bsub)
 
     k = sub.add_parser("kernels", help="compile-check every Triton kernel config per GPU target")
     ksub = k.add_subparsers(dest="kcmd", required=True)

@@ -112,7 +112,10 @@ def _prep(q, k, v, g, beta):
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv % Hk:
         raise ValueError(f"value heads {Hv} are not a multiple of key heads {Hk}")
-    q, k = (torch.nn.functional.normalize(x.float(), dim=-1, eps=1e-6) for x in (q, k))
+    # x * rsqrt(|x|^2 + eps), as transformers' Qwen3.5 and fla's in-kernel l2norm compute it (not
+    # F.normalize's x / max(|x|, eps)): the two differ by ~eps/|x|^2, 5e-3 in the logits of a
+    # model at init_std 0.02, so the rollout engine's and ours would disagree.
+    q, k = (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     if Hv != Hk:
         q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
