@@ -9,8 +9,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -20,7 +21,14 @@ from longmoe.backends.timing import Timer
 from longmoe.backends.versions import versions
 
 # Packages every backend needs; vendors add the ones their probes use (see `packages`).
-CORE_PACKAGES: tuple[str, ...] = ("torch", "triton", "liger-kernel", "megatron-core")
+CORE_PACKAGES: tuple[str, ...] = ("torch", "triton")
+# The peers longmoe's paired tests and benchmarks compare against (the `peers` extra): optional.
+PEER_PACKAGES: tuple[str, ...] = ("liger-kernel", "megatron-core", "cut-cross-entropy")
+
+log = logging.getLogger("longmoe.backends")
+
+# Device type -> None when a bf16 GEMM writing fp32 runs there, else why not (tried once).
+_FP32_OUTPUT_GEMM: dict[str, str | None] = {}
 
 
 class Backend(abc.ABC):
@@ -30,6 +38,9 @@ class Backend(abc.ABC):
     # Vendor directory holding kernels.json; set by each implementation to its own folder.
     data_dir: Path = Path(__file__).parent
     collective: CollectiveAdapter = CollectiveAdapter()
+    # Triton launch options beyond num_warps/num_stages that this vendor's kernel tables may
+    # carry (hints to its code generator); every other key of a table entry is a tile size.
+    launch_keys: tuple[str, ...] = ()
 
     # --- availability -----------------------------------------------------------------------
     @classmethod
@@ -106,6 +117,23 @@ class Backend(abc.ABC):
     def supports_reduce_dtype(self, dtype: torch.dtype) -> bool:
         return self.collective.supports_reduce_dtype(dtype)
 
+    def fp32_output_gemm(self, device: torch.device) -> str | None:
+        """None when a bf16 GEMM that writes fp32 (torch.mm(..., out_dtype=torch.float32)) runs
+        on `device`, else the one-line reason it does not. Support depends on the torch build and
+        the vendor's GEMM library, so one 2x2 product, tried once per device type, is the fact a
+        version check would guess."""
+        key = torch.device(device).type
+        if key not in _FP32_OUTPUT_GEMM:
+            try:
+                a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+                torch.mm(a, a, out_dtype=torch.float32)
+                _FP32_OUTPUT_GEMM[key] = None
+            except Exception as e:  # any failure means "not on this device"; callers fall back
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                _FP32_OUTPUT_GEMM[key] = f"no bf16 GEMM with fp32 output on {key}: {first[:80]}"
+                log.info("%s", _FP32_OUTPUT_GEMM[key])
+        return _FP32_OUTPUT_GEMM[key]
+
     # --- collectives ------------------------------------------------------------------------
     @property
     def dist_backend(self) -> str:
@@ -138,6 +166,22 @@ class Backend(abc.ABC):
         return self.collective.apply_env()
 
     # --- kernel configs ---------------------------------------------------------------------
+    @classmethod
+    def launch_options(cls, cfg: Mapping[str, Any], num_warps_key: str = "num_warps") -> dict:
+        """The Triton launch kwargs of one table entry: its warps (`num_warps_key`, else
+        num_warps), num_stages where the entry sets it, and this vendor's launch_keys."""
+        opts = {"num_warps": cfg.get(num_warps_key, cfg["num_warps"])}
+        if "num_stages" in cfg:
+            opts["num_stages"] = cfg["num_stages"]
+        opts.update({k: cfg[k] for k in cls.launch_keys if k in cfg})
+        return opts
+
+    @classmethod
+    def compile_targets(cls) -> tuple:
+        """The GPU targets (backends/aot.py's CompileTarget) whose kernels this vendor compiles
+        ahead of time; none for a backend without Triton code generation of its own."""
+        return ()
+
     def kernel_config(self, kernel: str, shape_bucket: str | None = None) -> dict[str, Any]:
         """The table's config for this arch, looked up once per (kernel, bucket): kernels call this
         at every launch, and a lookup resolves the table's path (filesystem calls: 650 lstat

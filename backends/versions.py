@@ -15,6 +15,7 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "triton": ("triton", "pytorch-triton-rocm", "pytorch-triton"),
     "liger-kernel": ("liger-kernel", "liger-kernel-nightly"),
     "megatron-core": ("megatron-core",),
+    "cut-cross-entropy": ("cut-cross-entropy",),
     "hip-python": ("hip-python",),
     "pynvml": ("nvidia-ml-py", "pynvml"),
     "amdsmi": ("amdsmi",),

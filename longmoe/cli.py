@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from longmoe.cli_args import int_list
 from longmoe.errors import UserError
 
 
@@ -60,21 +61,8 @@ def _cmd_paired(a) -> int:
 
 
 def _cmd_kernels(a) -> int:
-    from longmoe.backends.aot import compile_targets
-    from longmoe.ops.kernels.aot import run_kernels_cli
-    if a.target != "all" and a.target not in compile_targets():
-        raise UserError(f"--target: unknown {a.target!r}; valid: all, {', '.join(compile_targets())}")
-    return run_kernels_cli(a.target, as_json=a.json, fla=a.fla)
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise UserError(f"{flag}: values must be >= 1, got {text!r}")
-    return vals
+    from longmoe.ops.kernels.aot_cli import run_kernels_cli
+    return run_kernels_cli(a.target, as_json=a.json, fla=a.fla, verbose=a.verbose, only=a.only)
 
 
 def _cmd_bench(a) -> int:
@@ -84,7 +72,7 @@ def _cmd_bench(a) -> int:
     if a.smoke:
         tokens, H, V, iters = [512], 256, 4096, 2
     else:
-        tokens, H, V, iters = _ints(a.tokens, "--tokens"), a.hidden, a.vocab, a.iters
+        tokens, H, V, iters = int_list(a.tokens, "--tokens"), a.hidden, a.vocab, a.iters
     impls = a.impls.split(",") if a.impls else None
     chunks = [int(x) for x in a.chunks.split(",")] if a.chunks else None
     report = run_bench(tokens, H, V, dtype, impls, chunks, iters=iters)
@@ -98,14 +86,16 @@ def _cmd_bench_gmm(a) -> int:
     from longmoe.bench.grouped_mm import markdown_table, run_bench
     from longmoe.ops.grouped_mm import GROUPED_MM
     impls = a.impls.split(",")
-    bad = [i for i in impls if i not in GROUPED_MM.names()]
-    if bad:
-        raise UserError(f"--impls: unknown {bad[0]!r}; valid: {', '.join(GROUPED_MM.names())}")
+    for name in impls:
+        if name == "auto":
+            raise UserError("--impls: name implementations (auto is not one); "
+                            f"valid: {', '.join(GROUPED_MM.names())}")
+        GROUPED_MM.check_name(name, "--impls")
     try:
         configs = parse_configs(a.configs)
     except ValueError as e:
         raise UserError(f"--configs: {e}") from None
-    report = run_bench(_ints(a.tokens, "--tokens"), a.top_k, a.experts, a.hidden, a.ffn, a.dtype,
+    report = run_bench(int_list(a.tokens, "--tokens"), a.top_k, a.experts, a.hidden, a.ffn, a.dtype,
                        impls, configs, a.iters, a.device or active_backend().name)
     write_json_and_table(report, a.out, markdown_table)
     return 0
@@ -119,7 +109,7 @@ def _cmd_bench_rows(a) -> int:
         configs = parse_configs(a.configs)
     except ValueError as e:
         raise UserError(f"--configs: {e}") from None
-    report = run_bench(_ints(a.tokens, "--tokens"), a.top_k, a.hidden, a.ffn, a.dtype, configs,
+    report = run_bench(int_list(a.tokens, "--tokens"), a.top_k, a.hidden, a.ffn, a.dtype, configs,
                        a.iters, a.device or active_backend().name)
     write_json_and_table(report, a.out, markdown_table)
     return 0
@@ -133,7 +123,7 @@ def _cmd_bench_moe(a) -> int:
     if a.smoke:
         tokens, chunks, iters = [64], [1, 2], 1
     else:
-        tokens, chunks, iters = _ints(a.tokens, "--tokens"), _ints(a.chunks, "--chunks"), a.iters
+        tokens, chunks, iters = int_list(a.tokens, "--tokens"), int_list(a.chunks, "--chunks"), a.iters
     transports = a.transports.split(",") if a.transports else [backend.a2a_transport]
     for t in transports:
         try:
@@ -158,21 +148,17 @@ def _cmd_bench_moe(a) -> int:
         except ImportError as e:
             raise UserError(f"--baseline: megatron-core is not importable ({e})") from None
     from longmoe.ops.moe_rows import MOE_ROWS
-    if a.rows_impl not in ("auto", *MOE_ROWS.names()):
-        raise UserError(f"--rows-impl: must be auto, {', '.join(MOE_ROWS.names())}; "
-                        f"got {a.rows_impl!r}")
+    MOE_ROWS.check_name(a.rows_impl, "--rows-impl")
     if a.fp32_matmul not in (None, "high", "highest"):
         raise UserError(f"--fp32-matmul: must be high or highest, got {a.fp32_matmul!r}")
     from longmoe.ops.router_matmul import ROUTER_MATMUL
-    if a.router_matmul not in ("auto", *ROUTER_MATMUL.names()):
-        raise UserError(f"--router-matmul: must be auto, {', '.join(ROUTER_MATMUL.names())}; "
-                        f"got {a.router_matmul!r}")
+    ROUTER_MATMUL.check_name(a.router_matmul, "--router-matmul")
     from longmoe.parallel.moe_pipeline import WGRAD
     if a.wgrad not in WGRAD:
         raise UserError(f"--wgrad: must be one of {', '.join(WGRAD)}, got {a.wgrad!r}")
     report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
-                       trace_chunks=_ints(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
+                       trace_chunks=int_list(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
                        chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl,
                        wgrad=a.wgrad, fp32_matmul=a.fp32_matmul, router_matmul=a.router_matmul)
     write_report(report, a.out)
@@ -186,7 +172,7 @@ def _cmd_bench_delta(a) -> int:
     if a.smoke:
         tokens, iters, preset = [128], 1, "tiny-hybrid"
     else:
-        tokens, iters, preset = _ints(a.tokens, "--tokens"), a.iters, a.preset
+        tokens, iters, preset = int_list(a.tokens, "--tokens"), a.iters, a.preset
     from longmoe.ops.attention import SDPA_NAMES
     from longmoe.ops.gated_delta import GATED_DELTA
     variants = [v for v in a.variants.split(",") if v]
@@ -217,7 +203,7 @@ def _cmd_bench_path(a) -> int:
         k, v = item.split("=", 1)
         extra[k.strip()] = v
     stages = a.stages.split(",") if a.stages else None
-    report = run_path(a.config, a.nproc, _ints(a.tokens, "--tokens"), a.steps, extra, stages,
+    report = run_path(a.config, a.nproc, int_list(a.tokens, "--tokens"), a.steps, extra, stages,
                       a.timeout, a.out, a.profile)
     write_report(report, a.out)
     return 0
@@ -281,12 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=_cmd_doctor)
 
-    q = sub.add_parser("paired", help="candidate vs reference: loss, grads, peak memory, time")
-    q.add_argument("primitive", help="linear_ce | policy_loss | grouped_mm | gated_delta | moe_megatron | "
-                                        "recompute | ep | fsdp | step")
+    from longmoe.paired.cli import PRIMITIVES, primitives_help
+    q = sub.add_parser("paired", help="candidate vs reference: loss, grads, peak memory, time",
+                       epilog=primitives_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("primitive", help=" | ".join(PRIMITIVES))
     q.add_argument("--impl", default="auto", help="candidate implementation (default: auto)")
     q.add_argument("--nproc", type=int, default=2, help="ranks for distributed primitives")
-    q.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
+    q.add_argument("--seed", type=int, default=None,
+                   help="input seed (default: a fresh one, printed so that a failure can be rerun)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=_cmd_paired)
 
@@ -317,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--baseline", help="megatron: also time the layer with megatron-core's "
                                        "all-to-all token dispatcher (GPUs)")
     bm.add_argument("--rows-impl", default="auto",
-                    help="the layer's row kernels (combine, SwiGLU): auto, triton or torch")
+                    help="the layer's row kernels (combine, SwiGLU): auto, triton or reference")
     bm.add_argument("--wgrad", default="auto",
                     help="the pipeline's weight gradients: auto (inside each chunk's step where "
                          "it owns its experts) or delayed (all at the end of the layer)")
@@ -325,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(TF32) or highest; default: the trainer's "
                                           "impl.fp32_matmul")
     bm.add_argument("--router-matmul", default="auto",
-                    help="the router's logits GEMMs: auto, mixed (bf16 with fp32 output) or fp32")
+                    help="the router's logits GEMMs: auto, mixed (bf16 with fp32 output) or "
+                         "reference (fp32 casts)")
     bm.add_argument("--device", help="backend name (default: auto)")
     bm.add_argument("--iters", type=int, default=5)
     bm.add_argument("--trace-tokens", type=int, help="also write profiler traces at this T")
@@ -374,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--profile", metavar="DIR",
                     help="profile each run's third step into DIR/<stage>-<tokens>/")
     bp.set_defaults(fn=_cmd_bench_path)
+    __import__("longmoe.bench.weight_sync", fromlist=["add_parser"]).add_parser(bsub)
 
     bk = bsub.add_parser("packing", help="a GRPO batch of log-normal lengths: packed token-budget "
                                          "micro-batches vs padded rows vs full single-sample rows")
@@ -408,7 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     kc = ksub.add_parser("compile", help="registers/VGPRs, shared/LDS, spills per kernel config")
     kc.add_argument("--target", default="all",
                     help="a compile target registered by longmoe.backends, or all (default)")
-    kc.add_argument("--json", action="store_true")
+    kc.add_argument("--json", action="store_true",
+                    help="every config's report as JSON on stdout (the summary on stderr)")
+    kc.add_argument("--verbose", action="store_true",
+                    help="the per-config table (registers, shared memory, spills), not only "
+                         "the configs that fail")
+    kc.add_argument("--only", metavar="PREFIX",
+                    help="the kernel variants whose name starts with PREFIX (e.g. grouped_mm)")
     kc.add_argument("--fla", action="store_true",
                     help="flash-linear-attention's Gated DeltaNet kernels instead of ours")
     kc.set_defaults(fn=_cmd_kernels)

@@ -112,6 +112,13 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return from_dict({**dataclasses.asdict(self), **kw})
 
+    def linear_attention_params(self) -> int:
+        """Parameters of one Gated DeltaNet (linear_attention) mixer."""
+        H, Hv, dv = self.hidden_size, self.linear_num_value_heads, self.linear_value_head_dim
+        Kd, Vd = self.linear_num_key_heads * self.linear_key_head_dim, Hv * dv
+        conv = 2 * Kd + Vd
+        return H * conv + H * Vd + 2 * H * Hv + conv * self.linear_conv_kernel + 2 * Hv + dv + Vd * H
+
     def num_params(self) -> dict[str, int]:
         """Parameter counts: total and active per token (top-k routed + shared + dense parts)."""
         h, hd = self.hidden_size, self.head_dim
@@ -121,8 +128,7 @@ class ModelConfig:
         expert = 3 * h * self.moe_ffn_size
         shared = 3 * h * self.shared_expert_ffn_size + h if self.shared_expert_ffn_size else 0
         router = h * self.num_experts
-        from longmoe.model.flops import linear_attention_params
-        linear = linear_attention_params(self)
+        linear = self.linear_attention_params()
         n_linear = sum(1 for i in range(self.num_layers)
                        if self.layer_type(i) == "linear_attention")
         moe_common = shared + router + 2 * h

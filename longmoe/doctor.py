@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from longmoe.backends import active_backend, availability, get_backend
+from longmoe.backends.base import PEER_PACKAGES
 from longmoe.ops.gated_delta import gated_delta_choice
 
 
@@ -45,6 +46,8 @@ def collect() -> dict[str, Any]:
         memory_label=backend.memory_label,
         backends={n: why or "available" for n, why in availability().items()},
         missing=missing,
+        # optional: only the paired tests and benchmarks that compare against them need them
+        peers={p: versions.get(p) for p in PEER_PACKAGES},
     )
     return report
 
@@ -92,8 +95,14 @@ def _print_rich(report: dict[str, Any]) -> None:
 
     versions = Table("package", "version", title="versions")
     for pkg, ver in report["versions"].items():
-        versions.add_row(pkg, ver or "[dim]not installed[/dim]")
+        peer = " (peer)" if pkg in report["peers"] else ""
+        versions.add_row(pkg + peer, ver or "[dim]not installed[/dim]")
     console.print(versions)
+    absent = [p for p, v in report["peers"].items() if v is None]
+    if absent:
+        console.print(f"optional peers not installed: {', '.join(absent)} (pip install "
+                      "'longmoe[peers]'; only the paired tests and benchmarks against them "
+                      "need them)", markup=False)
 
     env = Table("variable", "default", "now", title="collective environment")
     for key, default in report["collective_env"].items():

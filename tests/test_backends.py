@@ -65,8 +65,9 @@ def test_absent_device_raises_one_line(name):
 
 def test_list_and_register(monkeypatch):
     assert backends.list_backends()[:3] == ["rocm", "cuda", "cpu"]
-    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
-    monkeypatch.setattr(backends, "_INSTANCES", {})
+    from longmoe.backends import registry
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_INSTANCES", {})
     Extra = backends.register(type("Extra", (CpuBackend,), {"name": "extra"}))
     assert backends.list_backends()[-1] == "extra"
     assert isinstance(backends.get_backend("EXTRA"), Extra)
@@ -168,6 +169,39 @@ def test_shipped_kernel_configs():
                     assert keys <= set(cfg)
                     if vendor != "rocm":
                         assert not amd_keys & set(cfg)
+    # ...and exactly those keys reach the launch: the vendor backend owns them
+    assert set(RocmBackend.launch_keys) == amd_keys and not CudaBackend.launch_keys
+
+
+def test_launch_options_come_from_the_vendor_backend():
+    cfg = {"BLOCK_M": 64, "num_warps": 8, "num_warps_dw": 4, "num_stages": 2, "kpack": 2,
+           "waves_per_eu": 1, "matrix_instr_nonkdim": 16}
+    assert RocmBackend.launch_options(cfg) == {"num_warps": 8, "num_stages": 2, "kpack": 2,
+                                               "waves_per_eu": 1, "matrix_instr_nonkdim": 16}
+    assert CudaBackend.launch_options(cfg, "num_warps_dw") == {"num_warps": 4, "num_stages": 2}
+    assert CpuBackend.launch_options({"num_warps": 4}, "num_warps_grad") == {"num_warps": 4}
+    from longmoe.backends.aot import compile_targets
+    targets = compile_targets()
+    assert {"sm_90", "gfx942", "gfx950"} <= set(targets)
+    for t in targets.values():  # a target compiles with its vendor's options
+        want = backends.backend_classes()[t.vendor].launch_options(cfg)
+        assert t.launch_options(cfg) == want
+
+
+def test_fp32_output_gemm_probe_is_the_backends():
+    from longmoe.ops.linear_ce_engines import _has_out_dtype
+    from longmoe.ops.router_matmul import _native_reason
+    cpu = torch.device("cpu")
+    reason = CpuBackend().fp32_output_gemm(cpu)
+    a = torch.ones(2, 2, dtype=torch.bfloat16)
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+        runs = True
+    except Exception:  # noqa: BLE001 - the probe's own criterion
+        runs = False
+    assert (reason is None) == runs and (runs or "on cpu" in reason)
+    # both users ask the same probe
+    assert _native_reason(cpu) == reason and _has_out_dtype(cpu) == runs
 
 
 # --- GPU probes degrade instead of raising ---------------------------------------------------

@@ -19,7 +19,7 @@ def test_train_path_runs_every_stage(tmp_path):
         assert r["status"] == "ok", r
         assert r["steps"] == 2 and r["peak_mem_gib"] > 0 and r["hw_tflops_per_gpu"] > 0
     assert "parallel.linear_ce" not in rep["runs"][0]["cmd"]
-    assert "impl.linear_ce=naive" in rep["runs"][0]["cmd"]
+    assert "impl.linear_ce=reference" in rep["runs"][0]["cmd"]
     assert "parallel.chunks=auto" in rep["runs"][3]["cmd"]
     # cpu_demo is EP=2: the last stage chunks its all-to-alls and says how many chunks it used
     assert "note" not in rep["runs"][3] and rep["runs"][3]["ep_chunks"] >= 1

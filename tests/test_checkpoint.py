@@ -84,10 +84,14 @@ def runs(tmp_path_factory):
         r["R1"], r["Q"] = r4.result(), ref4.result()
         assert r["R1"].returncode == 0 and r["Q"].returncode == 0, r["R1"].stderr[-2000:]
         shutil.copytree(d / "ckR", d / "ckR1")
+        shutil.copytree(d / "ckR", d / "ckR3")
         ep2 = pool.submit(train, d, 4, "ckR", "--resume", "--metrics-out", "mR.jsonl")
         ep1 = pool.submit(train, d, 3, "ckR1", "--resume", "--set", "parallel.ep=1",
                           "--metrics-out", "mR1.jsonl")
-        r["R2"], r["R_ep1"] = ep2.result(), ep1.result()
+        # Saved with full recompute (its wrapper adds a module level), resumed without it.
+        rc = pool.submit(train, d, 3, "ckR3", "--resume", "--set", "parallel.recompute=none",
+                         "--metrics-out", "mR3.jsonl")
+        r["R2"], r["R_ep1"], r["R_rc"] = ep2.result(), ep1.result(), rc.result()
     return r
 
 
@@ -165,12 +169,14 @@ def test_resume_with_other_model_shape_is_rejected(runs):
 
 def test_resume_on_another_layout_matches_uninterrupted_run(runs):
     d = runs["dir"]
-    for name in ("R2", "R_ep1"):
+    for name in ("R2", "R_ep1", "R_rc"):
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     ref = {m["step"]: m for m in metrics(d / "mQ.jsonl")}
     resumed = [m for m in metrics(d / "mR.jsonl") if m["step"] > 2]
     assert [m["step"] for m in resumed] == [3, 4]
-    for m in resumed + metrics(d / "mR1.jsonl"):
+    other_recompute = metrics(d / "mR3.jsonl")
+    assert [m["step"] for m in other_recompute] == [3]
+    for m in resumed + metrics(d / "mR1.jsonl") + other_recompute:
         assert abs(m["loss"] - ref[m["step"]]["loss"]) < 1e-6, (m["step"], m["loss"])
         assert abs(m["grad_norm"] - ref[m["step"]]["grad_norm"]) < 1e-5 * ref[m["step"]]["grad_norm"]
 

@@ -271,17 +271,17 @@ def test_damaged_checkpoint_is_refused_naming_the_file(runs, case):
 
 def test_resume_at_another_global_batch_is_refused(runs):
     line = one_error_line(runs["batch_changed"])
-    assert "8" in line and "4" in line and "--allow-batch-change" in line, line
+    assert "8" in line and "2" in line and "--allow-batch-change" in line, line
 
 
 def test_allowed_batch_change_says_what_differs(runs):
     p = runs["allow"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resumed from ck_allow/{STEP2} at step 2" in p.stdout, p.stdout
-    assert "global batch 8 -> 4" in p.stdout, p.stdout
+    assert "global batch 8 -> 2" in p.stdout, p.stdout
     assert f"{STEP4} is newer than {STEP2}" in p.stdout, p.stdout
     m = json.loads((runs["dir"] / "ck_allow" / "step-00000003" / "manifest.json").read_text())
-    assert m["identity"]["global_batch"] == 4
+    assert m["identity"]["global_batch"] == 2
 
 
 def test_fresh_run_into_a_directory_with_checkpoints_is_refused(runs):
@@ -368,8 +368,10 @@ def test_config_hash_covers_what_is_trained(tmp_path):
                                         "parallel.ep=1", "train.checkpoint_every=3"])
     other = load_run_config("cpu_demo", ["optim.lr=0.5"])
     assert config_hash(base) == config_hash(same) != config_hash(other)
-    assert run_identity(same, 4, 1, 1)["global_batch"] == 8
-    assert run_identity(same, 4, 1, 2)["global_batch"] == 4
+    # data.batch_size is the global batch: the same at any world size or CP.
+    assert run_identity(same, 4, 1, 1)["global_batch"] == 2
+    assert run_identity(same, 4, 1, 2)["global_batch"] == 2
+    assert run_identity(same, 4, 1, 2)["cp"] == 2
 
 
 def test_digest_is_streamed_over_chunks(tmp_path):

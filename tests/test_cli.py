@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _seed import seed_for
 
 TIMEOUT_S = 300
 SMALL = ["--set", "data.seq_len=64", "--set", "data.prompt_len=16"]
@@ -151,10 +152,11 @@ BAD_INPUT = {
 
 GOOD = {
     "doctor": ["doctor", "--json"],
-    "paired_linear_ce": ["paired", "linear_ce", "--json"],
-    "paired_recompute": ["paired", "recompute", "--json"],
-    "paired_gated_delta": ["paired", "gated_delta", "--json"],
-    "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,recurrent,sdpa"],
+    "paired_linear_ce": ["paired", "linear_ce", "--json", "--seed", str(seed_for("linear_ce"))],
+    "paired_recompute": ["paired", "recompute", "--json", "--seed", str(seed_for("recompute"))],
+    "paired_gated_delta": ["paired", "gated_delta", "--json", "--seed",
+                           str(seed_for("gated_delta"))],
+    "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,reference,sdpa"],
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
                   "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",
@@ -231,6 +233,9 @@ def test_paired_json_ok(quick, primitive):
     assert res["ok"] is True, res
     assert res["errors"] and all(math.isfinite(v) for v in res["errors"].values())
     assert res["max_error"] <= res["tolerance"]
+    # stderr: the seed first (to rerun it), the one-line verdict last
+    err = p.stderr.strip().splitlines()
+    assert f"seed {seed_for(primitive)}" in err[0] and err[-1].endswith("PASS"), p.stderr
 
 
 # ---- a JSONL data run ------------------------------------------------------------------------
@@ -332,20 +337,72 @@ def test_bench_rejects_bad_flags(capsys, argv, flag, msg):
 
 
 def test_bench_moe_rows_and_grouped_mm_run_on_cpu(tmp_path):
-    # No Triton on a plain CPU: the eager rows and the loop GEMM run, the rest is reported skipped.
+    # No Triton on a plain CPU: the reference rows and GEMM run, the rest is reported skipped.
     import json
     from longmoe.cli import main
     out = tmp_path / "rows.json"
     assert main(["bench", "moe-rows", "--tokens", "8", "--top-k", "2", "--hidden", "24",
                  "--ffn", "8", "--iters", "1", "--device", "cpu", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert {r["impl"] for r in rep["rows"]} == {"torch"} and rep["triton_skipped"]
+    assert {r["impl"] for r in rep["rows"]} == {"reference"} and rep["triton_skipped"]
     assert {r["op"] for r in rep["rows"]} == {"combine", "combine_bwd", "dispatch_bwd", "swiglu",
                                               "swiglu_bwd+dot"}
     out = tmp_path / "gmm.json"
     assert main(["bench", "grouped-mm", "--tokens", "8", "--experts", "3", "--hidden", "16",
-                 "--ffn", "8", "--impls", "loop,torch", "--iters", "1", "--device", "cpu",
+                 "--ffn", "8", "--impls", "reference,torch", "--iters", "1", "--device", "cpu",
                  "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert {r["impl"] for r in rep["rows"]} == {"loop"} and "torch" in rep["skipped"]
+    assert {r["impl"] for r in rep["rows"]} == {"reference"} and "torch" in rep["skipped"]
     assert len(rep["rows"]) == 6 and all(r["ms"] > 0 for r in rep["rows"])
+
+
+# ---- kernels compile -------------------------------------------------------------------------
+
+def test_kernels_compile_shows_progress_and_one_summary_line(capsys):
+    from longmoe.cli import main
+    argv = ["kernels", "compile", "--target", "sm_90", "--only", "ce_row_stats+entropy"]
+    assert main([*argv, "--json"]) == 0
+    cap = capsys.readouterr()
+    reports = json.loads(cap.out)
+    n = len(reports)
+    assert n > 0 and all(r["ok"] for r in reports)
+    summary = f"{n} configs compiled for 1 target: {n} ok, 0 spills, 0 failed"
+    assert cap.err.strip().splitlines()[-1] == summary
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip().splitlines() == [summary]  # no table without --verbose
+    progress = [ln for ln in cap.err.splitlines() if ln.startswith("sm_90: ")]
+    assert progress and progress[-1].startswith(f"sm_90: {n} configs: {n} ok")
+    assert main([*argv, "--verbose"]) == 0
+    cap = capsys.readouterr()
+    assert "longmoe kernels compile" in cap.out and cap.out.strip().endswith(summary)
+
+
+def test_kernels_compile_counts_spills_and_failures():
+    from longmoe.ops.kernels.aot import CompileReport
+    from longmoe.ops.kernels.aot_cli import outcome, summary_line
+    ok = CompileReport("k", "v", "sm_90", {}, ok=True, regs=40, spills=0, shared=0)
+    spill = CompileReport("k", "v", "sm_90", {}, ok=False, regs=255, spills=96, shared=0)
+    broken = CompileReport("k", "v", "gfx942", {}, ok=False, error="CompilationError: x")
+    over = CompileReport("k", "v", "gfx942", {}, ok=False, regs=600, spills=0, shared=0)
+    assert [outcome(r) for r in (ok, spill, broken, over)] == ["ok", "spills", "failed", "failed"]
+    assert summary_line([ok, spill, broken, over], ["sm_90", "gfx942"]) == \
+        "4 configs compiled for 2 targets: 1 ok, 1 spills, 2 failed"
+
+
+def test_kernels_compile_bad_flags_are_one_line(capsys):
+    from longmoe.cli import main
+    for argv, flag in ((["--target", "sm_42"], "--target"),
+                       (["--target", "sm_90", "--only", "no_such_kernel"], "--only")):
+        assert main(["kernels", "compile", *argv]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+        assert len(err) == 1 and flag in err[0], err
+
+
+def test_paired_help_lists_every_primitive():
+    from longmoe.paired.cli import PRIMITIVES
+    p = subprocess.run([sys.executable, "-m", "longmoe", "paired", "--help"],
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0
+    for name, what in PRIMITIVES.items():
+        assert any(ln.split()[:1] == [name] and what in ln for ln in p.stdout.splitlines()), name

@@ -257,7 +257,7 @@ parallel:
   ep: 2
   chunks: 3
 impl:
-  linear_ce: naive
+  linear_ce: reference
 data:
   batch_size: 6
   seq_len: 33
@@ -284,7 +284,7 @@ def test_load_run_config(tmp_path):
     rc = load_run_config(_yaml(tmp_path, RUN_YAML))
     assert rc.model.num_layers == 3 and rc.model.hidden_size == get_preset("tiny").hidden_size
     assert rc.parallel.ep == 2 and rc.parallel.chunks == 3 and rc.parallel.fsdp is True
-    assert rc.impl.linear_ce == "naive"
+    assert rc.impl.linear_ce == "reference"
     assert (rc.data.batch_size, rc.data.seq_len, rc.data.prompt_len) == (6, 33, 7)
     assert rc.loss.clip_high == 0.3 and rc.loss.clip_low == 0.2
     assert rc.optim.lr == 3e-4 and rc.optim.betas == (0.8, 0.99)
@@ -412,5 +412,6 @@ def test_named_impls_checked_per_field():
         with pytest.raises(UserError, match=f"impl.{field}: '{name}'"):
             check_named_impls(ImplConfig(**{field: name}), cpu, torch.bfloat16)
     # references always run
-    check_named_impls(ImplConfig(router_matmul="fp32", grouped_mm="loop", moe_rows="torch"),
+    check_named_impls(ImplConfig(router_matmul="reference", grouped_mm="reference",
+                                 moe_rows="reference", gated_delta="reference"),
                       cpu, torch.bfloat16)

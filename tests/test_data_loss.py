@@ -13,7 +13,8 @@ from longmoe.train.config import DataConfig, LossConfig
 from longmoe.data.validate import fit
 from longmoe.train.data import (IGNORE, Batch, JsonlData, JsonlSource, SyntheticSource, _pack,
                                 make_source, read_jsonl)
-from longmoe.train.loss import policy_loss
+from longmoe.rl.objective import TokenInputs
+from longmoe.train.loss import policy_loss as _policy_loss
 
 
 # ---- synthetic -------------------------------------------------------------------------------
@@ -304,6 +305,12 @@ def _inputs(gen, shape=(3, 11)):
     old = lp.detach() + torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
     ent = torch.rand(shape, generator=gen, dtype=torch.float64) * 4
     return lp, labels, adv, old, ent
+
+
+def policy_loss(cfg, lp, ent, labels, adv, old, global_tokens):
+    """The loss with token-mean weights over `global_tokens` (the trainer's default mode)."""
+    weights = cfg.objective().token_weights(labels != IGNORE, global_tokens)
+    return _policy_loss(cfg, lp, ent, labels, TokenInputs(adv, weights, old))
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from longmoe.paired.dist_cases import step_case
 
 @pytest.mark.parametrize("kw", [
     dict(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked"),   # everything on
-    dict(ep=1, chunks=1, recompute="none", fsdp=True, linear_ce="naive"),     # FSDP2 alone
+    dict(ep=1, chunks=1, recompute="none", fsdp=True, linear_ce="reference"),     # FSDP2 alone
     dict(ep=2, chunks=3, recompute="none", fsdp=False, linear_ce="chunked"),  # EP without FSDP
     dict(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked", cpu_offload=True),
     # the Qwen3.5 hybrid layout: 3 Gated DeltaNet layers (chunked core) + 1 full attention

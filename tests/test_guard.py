@@ -108,7 +108,7 @@ def runs(tmp_path_factory):
         nan, jsonl = pool.submit(longmoe, d, *NAN_RUN), pool.submit(longmoe, d, *JSONL_RUN)
         out = {"dir": d, "nan": nan.result(), "jsonl": jsonl.result()}
     out["nan_metrics"] = (d / "mN.jsonl").read_text()
-    out["nan_dirs"] = sorted(p.name for p in (d / "ckN").iterdir())
+    out["nan_dirs"] = sorted(p.name for p in (d / "ckN").iterdir() if p.name != ".lock")
     out["nan_latest"] = (d / "ckN" / "latest").read_text().strip()
     out["s1"], out["s2"] = (state(d / "ckN" / f"step-0000000{s}", d) for s in (1, 2))
     out["resumed"] = longmoe(d, *NAN_RUN, "--resume")

@@ -37,13 +37,13 @@ def test_chunked_gated_delta_matches_recurrence(T, Hk, Hv, with_state, decay):
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta, S0)]
     S0 = S0 if with_state else None
     outs = {}
-    for impl in ("recurrent", "chunked"):
+    for impl in ("reference", "chunked"):
         o, S = gated_delta_rule(q, k, v, g, beta, S0, impl=impl)
         co = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed))
         cs = torch.randn(S.shape, generator=torch.Generator().manual_seed(seed + 1))
         grads = torch.autograd.grad((o * co).sum() + (S * cs).sum(), leaves, allow_unused=True)
         outs[impl] = (o, S, grads)
-    (o1, s1, g1), (o2, s2, g2) = outs["recurrent"], outs["chunked"]
+    (o1, s1, g1), (o2, s2, g2) = outs["reference"], outs["chunked"]
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
     torch.testing.assert_close(s2, s1, rtol=1e-4, atol=1e-4)
     for a, b, n in zip(g2, g1, "q k v g beta S0".split()):
@@ -212,11 +212,11 @@ def test_fla_gated_delta_on_gpu_matches_recurrence(decay):
     if (why := _fla_check(q, k, v, g, beta)) is not None:
         pytest.skip(why)  # the registry falls back to the chunked core here (tested on CPU)
     outs = {}
-    for impl in ("recurrent", "fla"):
+    for impl in ("reference", "fla"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
         o, S = gated_delta_rule(*leaves, S0, impl=impl)
         grads = torch.autograd.grad(o.float().sum() + S.float().sum(), leaves)
         outs[impl] = (o.float(), S.float()) + grads
-    for a, b, n in zip(outs["fla"], outs["recurrent"], "o S dq dk dv dg dbeta".split()):
+    for a, b, n in zip(outs["fla"], outs["reference"], "o S dq dk dv dg dbeta".split()):
         err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
         assert err < 2e-3, (n, err, seed)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from longmoe.ops import linear_cross_entropy, linear_policy_loss
+from longmoe.rl.objective import Objective, TokenInputs
 from longmoe.backends.aot import compile_targets
 from longmoe.ops.kernels.aot import compile_all
 from _interpreter import run_interpreted
@@ -24,7 +25,7 @@ def test_fused_policy_loss_matches_reference(dtype, shape, chunk, coef):
     T, H, V = shape
     seed = fresh_seed()
     res = policy_loss_case("fused_torch", seed, T=T, H=H, V=V, dtype=dtype, chunk_tokens=chunk,
-                           entropy_coef=coef)
+                           objective=Objective(entropy_coef=coef))
     assert res.ok, (seed, res.failures())
 
 
@@ -38,7 +39,9 @@ def test_policy_loss_clipping_and_on_policy_by_hand():
     # Token 0: ratio 2 with A > 0 is clipped at 1.28 (no gradient); token 1 on-policy (NaN).
     old = torch.tensor([float(lp[0]) - torch.log(torch.tensor(2.0)).item(), float("nan")],
                        dtype=torch.float64)
-    loss, lp_out, _ = linear_policy_loss(h, w, y, adv, old, impl="fused_torch")
+    objective = Objective()
+    inputs = TokenInputs(adv, objective.token_weights(y != -100, 2), old)
+    loss, lp_out, _ = linear_policy_loss(h, w, y, objective, inputs, impl="fused_torch")
     expected = -(1.28 * 1.0 + 1.0 * -2.0) / 2
     assert abs(float(loss) - expected) < 1e-12
     torch.testing.assert_close(lp_out, lp)
@@ -66,8 +69,15 @@ def test_fused_ce_matches_naive_with_grads():
 
 def test_policy_loss_bad_shapes():
     h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    objective = Objective(kl_coef=0.1)
     with pytest.raises(ValueError, match="advantages"):
-        linear_policy_loss(h, w, y, torch.randn(5), torch.randn(4))
+        linear_policy_loss(h, w, y, objective, TokenInputs(torch.randn(5), torch.ones(4),
+                                                           ref_logprobs=-torch.rand(4)))
+    with pytest.raises(ValueError, match="weights"):
+        linear_policy_loss(h, w, y, objective, TokenInputs(torch.randn(4), torch.ones(3),
+                                                           ref_logprobs=-torch.rand(4)))
+    with pytest.raises(ValueError, match="ref_logprobs: required .*kl_coef=0.1"):
+        linear_policy_loss(h, w, y, objective, TokenInputs(torch.randn(4), torch.ones(4)))
 
 
 def _has_gpu() -> bool:
@@ -80,7 +90,8 @@ def _has_gpu() -> bool:
 @pytest.mark.parametrize("primitive,impl", [("linear_ce", "triton"), ("policy_loss", "fused")])
 def test_triton_kernels_under_interpreter(primitive, impl):
     # The Triton row kernels run on CPU tensors through Triton's interpreter.
-    out = run_interpreted(["-m", "longmoe", "paired", primitive, "--impl", impl, "--json"])
+    out = run_interpreted(["-m", "longmoe", "paired", primitive, "--impl", impl, "--json",
+                           "--seed", str(random.randrange(2**31))])
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["ok"] and res["candidate"] == impl, res

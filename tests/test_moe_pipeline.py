@@ -27,9 +27,9 @@ def test_wgrad_matches_autograd(dtype, tol, groups, rows):
     x = torch.randn(rows, 13, generator=g, dtype=dtype)
     w = torch.randn(groups, 13, 7, generator=g, dtype=dtype, requires_grad=True)
     dy = torch.randn(rows, 7, generator=g, dtype=dtype)
-    grouped_mm(x, w, sizes, impl="loop").backward(dy) if rows else None
+    grouped_mm(x, w, sizes, impl="reference").backward(dy) if rows else None
     expect = w.grad if rows else torch.zeros_like(w)
-    got = grouped_mm_wgrad(x, dy, sizes, w.detach(), impl="loop")
+    got = grouped_mm_wgrad(x, dy, sizes, w.detach(), impl="reference")
     assert got.dtype == w.dtype and got.shape == w.shape
     torch.testing.assert_close(got, expect, rtol=tol, atol=tol, msg=f"seed {seed} sizes {sizes}")
     for gi, n in enumerate(sizes):
@@ -43,7 +43,7 @@ def test_swiglu_backward_matches_autograd(dtype, tol):
     ga = torch.randn(29, 11).to(dtype)
     a_ref = swiglu(h)
     a_ref.backward(ga)
-    gh, a, dot = swiglu_backward(h.detach(), ga, with_dot=True, impl="torch")
+    gh, a, dot = swiglu_backward(h.detach(), ga, with_dot=True, impl="reference")
     torch.testing.assert_close(a, a_ref.detach(), rtol=tol, atol=tol)
     torch.testing.assert_close(gh, h.grad, rtol=tol, atol=tol)
     torch.testing.assert_close(dot, (ga.double() * a_ref.detach().double()).sum(-1).float(),
@@ -118,14 +118,14 @@ def test_bad_expert_index_is_named():
 
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_wgrad_on_gpu_matches_loop(impl):
+def test_wgrad_on_gpu_matches_reference(impl):
     seed = random.randrange(2**31)
     g = torch.Generator().manual_seed(seed)
     sizes = [300, 0, 17, 512, 1]
     x = torch.randn(sum(sizes), 256, generator=g).cuda()
     dy = torch.randn(sum(sizes), 384, generator=g).cuda()
     w = torch.empty(len(sizes), 256, 384, device="cuda", dtype=torch.bfloat16)
-    ref = grouped_mm_wgrad(x.double(), dy.double(), sizes, w.double(), impl="loop")
+    ref = grouped_mm_wgrad(x.double(), dy.double(), sizes, w.double(), impl="reference")
     got = grouped_mm_wgrad(x.bfloat16(), dy.bfloat16(), sizes, w, impl=impl)
     torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=0.3, msg=f"seed {seed}")
 
@@ -140,12 +140,12 @@ def test_moe_layer_bench_smoke_on_cpu_ranks(tmp_path):
                         "--device", "cpu", "--out", str(out), "--trace-tokens", "64",
                         "--trace-dir", str(tmp_path / "tr"), "--trace-chunks", "2",
                         "--wgrad", "delayed", "--fp32-matmul", "highest",
-                        "--router-matmul", "fp32"],
+                        "--router-matmul", "reference"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads(out.read_text())
     # the flags reach the run
-    assert (rep["wgrad"], rep["fp32_matmul"], rep["router_matmul"]) == ("delayed", "highest", "fp32")
+    assert (rep["wgrad"], rep["fp32_matmul"], rep["router_matmul"]) == ("delayed", "highest", "reference")
     kinds = sorted({r["kind"] for r in rep["rows"]})
     assert kinds == ["comm", "gemm", "layer"]
     (s,) = rep["summary"]
@@ -187,7 +187,7 @@ def test_chunked_wgrad_matches_per_expert_sum(C, L):
             want[e] += x[r:r + n].T @ dy[r:r + n]
             r += n
     pipe = mp.ChunkPipeline(plan, 1, None, None, None)
-    got = mp._chunked_wgrad(x, dy, pipe, w, "loop")
+    got = mp._chunked_wgrad(x, dy, pipe, w, "reference")
     torch.testing.assert_close(got, want, msg=f"seed {seed}")
 
 

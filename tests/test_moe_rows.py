@@ -13,8 +13,8 @@ from longmoe.ops.moe_rows import MOE_ROWS, gather_sum
 from _interpreter import last_json_line, run_interpreted
 
 
-def test_auto_is_torch_on_cpu_without_interpreter():
-    assert MOE_ROWS.select("auto", torch.zeros(2, 2, dtype=torch.bfloat16)).name == "torch"
+def test_auto_is_the_reference_on_cpu_without_interpreter():
+    assert MOE_ROWS.select("auto", torch.zeros(2, 2, dtype=torch.bfloat16)).name == "reference"
     assert MOE_ROWS.why_not("triton", torch.zeros(2, dtype=torch.float64))  # fp64: reference only
 
 

@@ -19,7 +19,7 @@ from longmoe.config import PRESETS, get_preset
 from longmoe.errors import UserError
 from longmoe.plan import calibration
 from longmoe.plan.cli import main, run_config
-from longmoe.plan.hardware import _raw, get_hardware, names
+from longmoe.plan.hardware import aliases, get_hardware, names, profiles
 from longmoe.plan.memory import GiB, Layout, Workload, estimate, param_split
 from longmoe.plan.planner import budget_bytes, grid, invalid_reason, plan
 from longmoe.train.config import RECIPE_DIR, from_dict, load_run_config
@@ -71,7 +71,11 @@ def test_h100_recipe_reasons_follow_the_seeds():
     p = _plan(Q35, "h100", 32, 131072)
     assert "16K-32K window" in p.reasons["cp"] and "CP=1 needs" in p.reasons["cp"]
     assert p.local_seq == 32768 and p.workload.recompute == "full"
-    assert p.memory.peak < 40 * GiB            # the seeds' final run: 37-38 GB
+    # the seeds' final run on this layout (calibration.json): the plan needs no more than it
+    # took, give or take the estimator's 10% (the plan may chunk EP finer, which needs less)
+    final = calibration.point("+ chunked EP (final)")
+    assert (final.layout.tp, final.layout.pp, final.layout.ep, final.layout.cp) == (1, 1, 8, 4)
+    assert p.memory.peak <= 1.10 * final.measured_bytes
 
 
 def test_forced_tp():
@@ -227,9 +231,34 @@ def test_cli_table_and_yaml(capsys):
     assert main(argv + ["--explain"]) == 0
     text = capsys.readouterr().out
     assert "TP1·PP1·EP8·CP1" in text and "why:" in text and "grid:" in text and "peak" in text
+    # --explain: every rejected cell with its reason, then the fitting ones, the plan marked
+    lines = text.splitlines()
+    grid_cells = grid(get_preset(Q35), get_hardware("mi300x"), 8, Workload(131072))
+    rejected = [c for c in grid_cells if c.verdict != "fits"]
+    start = lines.index(f"rejected ({len(rejected)}):")
+    for c in rejected:
+        assert any(ln.split()[:2] == [c.layout.label, c.verdict] and c.why in ln
+                   for ln in lines[start:]), c
+    assert [ln for ln in lines if ln.endswith("<- the plan")] == \
+        [ln for ln in lines if ln.startswith("  TP1·PP1·EP8·CP1 ") and "the plan" in ln]
+    assert "NOT RUNNABLE" not in text
     assert main(argv + ["--format", "yaml"]) == 0
     d = yaml.safe_load(capsys.readouterr().out)
     assert d["cp"] == 1 and d["hardware"] == "mi300x"
+
+
+def test_a_plan_the_trainer_cannot_run_says_so(tmp_path, capsys):
+    argv = ["--model", Q35, "--hardware", "h100", "--gpus", "32", "--seq-len", "131072",
+            "--tp", "2"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "NOT RUNNABLE YET: longmoe train runs TP = PP = 1 and rejects TP2·PP1" in text
+    out = tmp_path / "tp2.yaml"
+    assert main(argv + ["--format", "json", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["trainer_runs_it"] is False
+    assert "note: longmoe train runs TP = PP = 1" in cap.err and "rejects it at launch" in cap.err
+    assert "# NOT RUNNABLE YET" in out.read_text()
 
 
 def test_add_parser_registers_recipe():
@@ -254,24 +283,36 @@ def test_shipped_recipes_are_what_the_planner_writes(name, hw, gpus):
 
 
 def test_hardware_profiles_cite_every_figure():
-    raw = _raw()
     numeric = ["bf16_dense_tflops", "hbm_gb", "usable_gib", "hbm_tb_s", "gpus_per_node",
                "intra_node_gb_s", "inter_node_gb_s", "simd_width"]
-    for key, p in raw["profiles"].items():
+    for key, p in profiles().items():
         for f in numeric:
             assert p[f] > 0 and p["sources"].get(f), (key, f)
         assert set(p["confirmed"]).isdisjoint(p["unconfirmed"])
         assert p["usable_gib"] <= p["hbm_gb"] * 1.0
         assert p["simd_width"] == (32 if p["vendor"] == "nvidia" else 64)
-    for alias, key in raw["aliases"].items():
+        assert p["backend"] in ("cuda", "rocm") and p["link"] in ("nvlink", "xgmi"), key
+    for alias, key in aliases().items():
         assert get_hardware(alias).key == key
     assert get_hardware("H100").key == "h100"
 
 
-@pytest.mark.parametrize("point", calibration.POINTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("point", calibration.load_points(), ids=lambda p: p.name)
 def test_calibration_points_match_the_docs_claim(point):
     row = calibration.evaluate(point)
     assert (abs(row.error) <= 0.10) == point.within_10, f"{point.name}: {row.error:+.1%}"
+
+
+def test_calibration_data_names_each_source(tmp_path):
+    points = calibration.load_points()
+    assert len({p.name for p in points}) == len(points) >= 10
+    assert all(p.source and p.measured_bytes > 0 and (p.layout or p.moe_layer) for p in points)
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"points": [{"name": "x", "source": "s", "measured": 1,
+                                           "unit": "GB", "within_10": True,
+                                           "layout": {"gpus": 1, "tq": 2}}]}))
+    with pytest.raises(ValueError, match="point 'x'.*tq"):
+        calibration.load_points(bad)
 
 
 def test_recipe_command_end_to_end(tmp_path):

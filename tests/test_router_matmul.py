@@ -84,9 +84,9 @@ def test_mixed_against_fp64_and_the_reference(gen, precision, shape, prec):
     assert torch.equal(dx, ref[1]) and torch.equal(dw, ref[2])
 
 
-def test_registry_picks_fp32_without_native_mixed_gemm(gen):
+def test_registry_picks_reference_without_native_mixed_gemm(gen):
     x, w, _ = _inputs(gen, 5, 8, 3, torch.bfloat16)
-    assert ROUTER_MATMUL.select("auto", x, w).name == "fp32"  # CPU: no mm(out_dtype=float32)
+    assert ROUTER_MATMUL.select("auto", x, w).name == "reference"  # CPU: no mm(out_dtype=float32)
     with pytest.raises(ImplUnavailable, match="mixed"):
         router_logits(x, w, "mixed")
     assert "bf16" in ROUTER_MATMUL.why_not("mixed", x.float(), w.float())

@@ -110,11 +110,13 @@ def test_input_errors_name_the_flag():
 
 def test_tuner_end_to_end_on_two_gloo_ranks(tmp_path, monkeypatch):
     out = tmp_path / "tune"
+    # --smoke with its own defaults (two tiny lengths, chunks 1 and 2, two iterations)
     p = subprocess.run([sys.executable, "-m", "longmoe", "tune", "chunks", "--smoke", "--device",
-                        "cpu", "--ep", "2", "--seq-lens", "64,128", "--chunks", "1,2",
-                        "--iters", "2", "--out", str(out), "--json"],
+                        "cpu", "--ep", "2", "--out", str(out), "--json"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
+    progress = [ln for ln in p.stderr.splitlines() if ln.startswith("tune chunks: ")]
+    assert progress and "2 lengths x 2 chunk counts" in progress[-1], p.stderr[-2000:]
     summary = json.loads(p.stdout[p.stdout.index("{"):])
     entries = cache.load(out / cache.FILE_NAME)
     assert len(entries) == 2 and all(k.startswith("cpu|cpu|cpu|ep2|") for k in entries)
@@ -207,9 +209,49 @@ def test_calibrate_recovers_known_coefficients():
         calibrate.fit({"rows": rows}, cfg, hw, calibration())
 
 
-def test_predict_cli_table():
+def test_predict_cli_table(tmp_path):
     p = subprocess.run([sys.executable, "-m", "longmoe", "tune", "chunks", "--predict",
                         "--hardware", "mi300x", "--ep", "8", "--seq-lens", "16384,65536"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "PREDICTION" in p.stdout and "| 65536 |" in p.stdout
+    # without --out nothing is written, and the last line says so
+    assert not list(tmp_path.iterdir()) and "nothing written" in p.stdout.splitlines()[-1]
+
+
+def test_predict_out_writes_a_marked_cache_and_plot(tmp_path, monkeypatch):
+    from longmoe.tuning import _tuned_entry
+    from longmoe.cli import main
+    out = tmp_path / "pred"
+    assert main(["tune", "chunks", "--predict", "--hardware", "mi300x", "--ep", "8",
+                      "--seq-lens", "16384,65536", "--out", str(out)]) == 0
+    entries = cache.load(out / cache.FILE_NAME)
+    cfg = get_preset("qwen3.5-35b-a3b")
+    keys = {cache.make_key("rocm", "gfx942", "xgmi-8", 8, cfg.hidden_size, cfg.top_k, "bfloat16",
+                           t) for t in (16384, 65536)}
+    assert set(entries) == keys
+    assert all(e["predicted"].startswith("PREDICTION") and e["chunk_by"] == "experts"
+               for e in entries.values())
+    assert (out / "chunks_predicted_rocm_gfx942_xgmi-8_ep8.png").stat().st_size > 1000
+    pred = json.loads((out / "prediction_rocm_gfx942_xgmi-8_ep8.json").read_text())
+    assert {e["chunks"] for e in entries.values()} == {r["best_chunks"]
+                                                      for r in pred["results"].values()}
+
+    # the runtime says the number it read was predicted
+    class Part:  # what a backend reports on that machine
+        name, arch = "rocm", "gfx942"
+
+        def probe(self):
+            return {"name": "rocm", "interconnect": {"link": "xgmi", "gpus_per_node": 8}}
+    monkeypatch.setenv(cache.ENV_DIR, str(out))
+    entry, source, _ = _tuned_entry(Part(), 8, cfg.hidden_size, cfg.top_k, "bfloat16", 65536,
+                                    "experts")
+    assert entry is not None and "predicted by the cost model" in source
+
+
+def test_smoke_defaults_fit_the_smoke_layer():
+    from longmoe.tuning.cli import SMOKE
+    from longmoe.tuning.tuner import check_inputs, smoke_model
+    cfg = smoke_model()
+    check_inputs([int(t) for t in SMOKE["seq_lens"].split(",")],
+                 [int(c) for c in SMOKE["chunks"].split(",")], 2, cfg.num_experts)

@@ -41,7 +41,8 @@ def _tuned_entry(backend, ep: int, hidden: int, top_k: int, dtype: str, local_to
     key = cache_key_for(backend, ep, hidden, top_k, dtype, local_tokens)
     entry, path = lookup(key)
     if entry is not None and entry.get("chunk_by", "tokens") == chunk_by:
-        return entry, f"tuning cache {path} [{key}]", ""
+        predicted = " (predicted by the cost model, not measured)" if entry.get("predicted") else ""
+        return entry, f"tuning cache {path} [{key}]{predicted}", ""
     if entry is not None:
         return None, "", (f" (the tuning cache's entry for this layer was measured with "
                           f"{entry.get('chunk_by', 'tokens')} chunks, not {chunk_by})")

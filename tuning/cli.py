@@ -4,32 +4,32 @@ from __future__ import annotations
 
 import json
 
+from longmoe.cli_args import int_list
+
+
+# --smoke: a tiny layer on CPU-sized lengths, so the whole run takes seconds (its 4 local
+# experts at EP 2 allow at most 4 expert chunks).
+SMOKE = {"seq_lens": "64,128", "chunks": "1,2", "iters": 2}
+FULL = {"seq_lens": "4096,8192,16384,32768,65536", "chunks": "1,2,4,8,16", "iters": 5}
+DEFAULT_OUT = "tuning-out"
+
 
 def _cmd(a) -> int:
-    from longmoe.cli import _ints
     from longmoe.config import get_preset
-    seq_lens, chunks = _ints(a.seq_lens, "--seq-lens"), _ints(a.chunks, "--chunks")
+    from longmoe.errors import UserError
+    if a.smoke and a.predict:
+        raise UserError("--smoke: measures a tiny layer; --predict models a real one, pick one")
+    defaults = SMOKE if a.smoke else FULL
+    seq_lens = int_list(a.seq_lens or defaults["seq_lens"], "--seq-lens")
+    chunks = int_list(a.chunks or defaults["chunks"], "--chunks")
+    iters = a.iters if a.iters is not None else defaults["iters"]
     if a.predict:
-        from longmoe.tuning.cost_model import predict
-        from longmoe.tuning.tuner import check_inputs
-        cfg = get_preset(a.model)
-        check_inputs(seq_lens, chunks, a.ep, cfg.num_experts)
-        res = predict(a.hardware or "h200", cfg, a.ep, seq_lens, chunks, a.transport)
-        if a.json:
-            print(json.dumps(res, indent=1))
-            return 0
-        print(f"{res['label']}: {res['hardware']}, EP={a.ep}, {a.model}, {a.transport}")
-        print("| T/rank | best chunks | no-chunk ms | best ms | speedup | GEMM ms | comm ms |")
-        print("|---|---|---|---|---|---|---|")
-        for T, r in res["results"].items():
-            print(f"| {T} | {r['best_chunks']} | {r['nochunk_ms']:.2f} | {r['best_ms']:.2f} | "
-                  f"{r['speedup']:+.1%} | {r['gemm_ms']:.2f} | {r['comm_ms']:.2f} |")
-        return 0
+        return _predict(a, get_preset(a.model), seq_lens, chunks)
     from longmoe.backends import active_backend
     from longmoe.tuning.tuner import tune_chunks
     device = a.device or active_backend().name
-    summary = tune_chunks(a.model, a.ep, seq_lens, chunks, a.out, device, a.iters,
-                          a.trace_seq_len, smoke=a.smoke, show_progress=not a.json)
+    summary = tune_chunks(a.model, a.ep, seq_lens, chunks, a.out or DEFAULT_OUT, device, iters,
+                          a.trace_seq_len, smoke=a.smoke, show_progress=True)
     if a.json:
         print(json.dumps(summary, indent=1))
         return 0
@@ -42,6 +42,36 @@ def _cmd(a) -> int:
     print(f"plot: {summary['plot'] or summary['plot_note']}")
     for t in summary["traces"]:
         print(f"trace: {t}")
+    picks = ", ".join(f"{T}: {r['chunks']}" for T, r in summary["results"].items())
+    print(f"tuned {len(summary['results'])} lengths (best chunks {picks}); "
+          f"training reads it with LONGMOE_TUNING_DIR={a.out or DEFAULT_OUT}")
+    return 0
+
+
+def _predict(a, cfg, seq_lens, chunks) -> int:
+    from longmoe.console import note
+    from longmoe.tuning.cost_model import predict
+    from longmoe.tuning.tuner import check_inputs, write_prediction
+    check_inputs(seq_lens, chunks, a.ep, cfg.num_experts)
+    res = predict(a.hardware or "h200", cfg, a.ep, seq_lens, chunks, a.transport)
+    written = write_prediction(res, cfg, a.out) if a.out else None
+    if a.json:
+        print(json.dumps({**res, "written": written}, indent=1))
+    else:
+        print(f"{res['label']}: {res['hardware']}, EP={a.ep}, {a.model}, {a.transport}")
+        print("| T/rank | best chunks | no-chunk ms | best ms | speedup | GEMM ms | comm ms |")
+        print("|---|---|---|---|---|---|---|")
+        for T, r in res["results"].items():
+            print(f"| {T} | {r['best_chunks']} | {r['nochunk_ms']:.2f} | {r['best_ms']:.2f} | "
+                  f"{r['speedup']:+.1%} | {r['gemm_ms']:.2f} | {r['comm_ms']:.2f} |")
+        if written:
+            print(f"cache: {written['cache']} (entries marked predicted)")
+            print(f"plot: {written['plot'] or written['plot_note']}")
+    picks = ", ".join(f"{T}: {r['best_chunks']}" for T, r in res["results"].items())
+    line = f"predicted {len(res['results'])} lengths (best chunks {picks}); " + (
+        f"cache and plot in {a.out}" if written else "nothing written (--out DIR writes the "
+                                                       "cache and plot)")
+    (note if a.json else print)(line)
     return 0
 
 
@@ -51,13 +81,13 @@ def _cmd_calibrate(a) -> int:
     from longmoe.errors import UserError
     from longmoe.plan.hardware import get_hardware
     from longmoe.tuning import calibrate
-    from longmoe.tuning.cost_model import _CAL, calibration
+    from longmoe.tuning.cost_model import CALIBRATION_FILE, calibration
     try:
         sweep = json.loads(Path(a.from_file).read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--from: cannot read {a.from_file}: {e}") from None
     cal = calibrate.fit(sweep, get_preset(a.model), get_hardware(a.hardware), calibration())
-    out = Path(a.out) if a.out else _CAL
+    out = Path(a.out) if a.out else CALIBRATION_FILE
     calibrate.write(cal, out)
     f = cal["_fit"]
     print(f"calibration fitted to {f['rows']} layer rows: median error {f['median_rel_error']:.1%}, "
@@ -77,17 +107,22 @@ def add_parser(sub):
     c = tsub.add_parser("chunks", help="chunk count of chunked EP for one MoE layer")
     c.add_argument("--model", default="qwen3.5-35b-a3b", help="model preset")
     c.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (one per device)")
-    c.add_argument("--seq-lens", default="4096,8192,16384,32768,65536",
-                   help="local tokens per rank to tune for")
-    c.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts to sweep (1 = baseline)")
-    c.add_argument("--out", default="tuning-out", help="cache, plot and traces go here; point "
-                   "LONGMOE_TUNING_DIR at it for training runs")
+    c.add_argument("--seq-lens", help=f"local tokens per rank to tune for (default: "
+                   f"{FULL['seq_lens']}; with --smoke {SMOKE['seq_lens']})")
+    c.add_argument("--chunks", help=f"chunk counts to sweep, 1 = baseline (default: "
+                   f"{FULL['chunks']}; with --smoke {SMOKE['chunks']})")
+    c.add_argument("--out", help=f"cache, plot and traces go here (default: {DEFAULT_OUT}; with "
+                   "--predict nothing is written without it); point LONGMOE_TUNING_DIR at it "
+                   "for training runs")
     c.add_argument("--device", help="backend name (default: auto)")
-    c.add_argument("--iters", type=int, default=5)
+    c.add_argument("--iters", type=int, help=f"timed iterations per point (default: "
+                   f"{FULL['iters']}; with --smoke {SMOKE['iters']})")
     c.add_argument("--trace-seq-len", type=int, help="length to profile (default: the middle one)")
-    c.add_argument("--smoke", action="store_true", help="tiny layer: check the tuner runs")
+    c.add_argument("--smoke", action="store_true",
+                   help="a tiny layer at tiny lengths: checks the tuner runs, in seconds")
     c.add_argument("--predict", action="store_true",
-                   help="cost model instead of measuring (for hardware not at hand)")
+                   help="cost model instead of measuring (for hardware not at hand); keys the "
+                        "cache for a full node of --hardware")
     c.add_argument("--hardware", help="with --predict: h100, h200, mi300x, mi325x, mi355x")
     c.add_argument("--transport", default="process_group", help="with --predict")
     c.add_argument("--json", action="store_true")

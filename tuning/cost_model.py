@@ -30,12 +30,12 @@ from pathlib import Path
 
 from longmoe.errors import UserError
 
-_CAL = Path(__file__).with_name("calibration.json")
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 
 @lru_cache(maxsize=1)
 def calibration() -> dict:
-    return json.loads(_CAL.read_text())
+    return json.loads(CALIBRATION_FILE.read_text())
 
 
 def _link_bw(hw, ep: int, cal: dict) -> float:
@@ -90,8 +90,9 @@ def predict(hardware: str, cfg, ep: int, seq_lens: list[int], chunks: list[int],
     if ep > hw.gpus_per_node:
         raise UserError(f"--ep: {ep} exceeds {hw.name}'s {hw.gpus_per_node} GPUs per node; the "
                         "cost model covers one node")
-    out = {"label": "PREDICTION (cost model, not measured)", "hardware": hw.name, "ep": ep,
-           "transport": transport, "calibration": str(_CAL.name), "results": {}}
+    out = {"label": "PREDICTION (cost model, not measured)", "hardware": hw.name,
+           "hardware_key": hw.key, "ep": ep,
+           "transport": transport, "calibration": str(CALIBRATION_FILE.name), "results": {}}
     for T in seq_lens:
         rows = [layer_time(hw, cfg, ep, T, c, transport) for c in chunks if c <= T]
         best = min(rows, key=lambda r: r["ms"])

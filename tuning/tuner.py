@@ -79,14 +79,13 @@ def plot(results: dict[int, dict], path: Path, title: str) -> Path | None:
 def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], out_dir: str,
                 device: str, iters: int = 5, trace_len: int | None = None, smoke: bool = False,
                 show_progress: bool = True) -> dict:
-    from rich.progress import Progress
-
     from longmoe.backends import get_backend
     from longmoe.bench.moe_layer import run_bench
     from longmoe.config import get_preset
+    from longmoe.console import Progress
     from longmoe.tuning.cache import interconnect_signature, make_key, save
     backend = get_backend(device)
-    cfg = get_preset("tiny").replace(num_experts=8, top_k=2) if smoke else get_preset(preset)
+    cfg = smoke_model() if smoke else get_preset(preset)
     dtype = "float32" if backend.device_type == "cpu" else "bfloat16"
     check_inputs(seq_lens, chunks, ep, cfg.num_experts)
     count = backend.probe().get("device_count") or 0
@@ -101,30 +100,30 @@ def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], ou
     out.mkdir(parents=True, exist_ok=True)
     results, entries, reports = {}, {}, []
     trace_len = trace_len or seq_lens[len(seq_lens) // 2]
-    with Progress(disable=not show_progress) as bar:
-        task = bar.add_task("tune chunks", total=len(seq_lens) + 1)
-        for T in seq_lens:
-            bar.update(task, description=f"T={T}: {len(chunks)} counts x {len(transports)} transports")
-            rep = run_bench([T], chunks, transports, [prio], iters, ep, device,
-                            preset=preset, dtype=dtype, smoke=smoke)
-            reports.append(rep)
-            res = choose(rep["rows"], T)
-            results[T] = res
-            key = make_key(backend.name, backend.arch, sig, ep, cfg.hidden_size, cfg.top_k,
-                           dtype, T)
-            entries[key] = {**{k: res[k] for k in ("chunks", "transport", "ms", "nochunk_ms",
-                                                    "speedup")},
-                            "hidden_fraction": res.get("hidden_fraction"), "local_tokens": T,
-                            "chunk_by": rep["chunk_by"],
-                            "device": rep["device"], "date": rep["date"],
-                            "torch": rep["versions"].get("torch")}
-            bar.advance(task)
-        best = results[trace_len] if trace_len in results else results[seq_lens[-1]]
-        bar.update(task, description=f"profile T={trace_len}: chunks 1 vs {best['chunks']}")
-        run_bench([trace_len], sorted({1, best["chunks"]}), [best["transport"]], [prio], 1, ep,
-                  device, preset=preset, dtype=dtype, trace_tokens=trace_len,
-                  trace_dir=out / "traces", trace_chunks=sorted({1, best["chunks"]}), smoke=smoke)
-        bar.advance(task)
+    # One step per length (every chunk count and transport at it), then the two profiled runs.
+    bar = Progress("tune chunks", len(seq_lens) + 1) if show_progress else None
+    for i, T in enumerate(seq_lens, 1):
+        rep = run_bench([T], chunks, transports, [prio], iters, ep, device,
+                        preset=preset, dtype=dtype, smoke=smoke)
+        reports.append(rep)
+        res = choose(rep["rows"], T)
+        results[T] = res
+        key = make_key(backend.name, backend.arch, sig, ep, cfg.hidden_size, cfg.top_k,
+                       dtype, T)
+        entries[key] = {**{k: res[k] for k in ("chunks", "transport", "ms", "nochunk_ms",
+                                                "speedup")},
+                        "hidden_fraction": res.get("hidden_fraction"), "local_tokens": T,
+                        "chunk_by": rep["chunk_by"],
+                        "device": rep["device"], "date": rep["date"],
+                        "torch": rep["versions"].get("torch")}
+        if bar:
+            bar.update(i, f"T={T}: best {res['chunks']} chunks ({res['transport']})")
+    best = results[trace_len] if trace_len in results else results[seq_lens[-1]]
+    run_bench([trace_len], sorted({1, best["chunks"]}), [best["transport"]], [prio], 1, ep,
+              device, preset=preset, dtype=dtype, trace_tokens=trace_len,
+              trace_dir=out / "traces", trace_chunks=sorted({1, best["chunks"]}), smoke=smoke)
+    if bar:
+        bar.update(len(seq_lens) + 1, f"profiled T={trace_len}")
     cache_file = save(out, entries)
     title = f"{probe.get('device_name') or backend.name} x{ep} ({sig}), H={cfg.hidden_size}, " \
             f"top-{cfg.top_k}, {dtype}"
@@ -137,4 +136,45 @@ def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], ou
                "hidden": cfg.hidden_size, "top_k": cfg.top_k}
     (out / f"sweep_{backend.name}_{backend.arch}_{sig}_ep{ep}.json").write_text(
         json.dumps({"summary": summary, "reports": reports}, indent=1))
+    if bar:
+        bar.finish(f"{len(seq_lens)} lengths x {len(chunks)} chunk counts on {backend.name} x{ep}")
     return summary
+
+
+def smoke_model():
+    """The layer `--smoke` tunes: the tiny preset with 8 experts, top-2 (4 local experts at EP 2,
+    so at most 4 expert chunks)."""
+    from longmoe.config import get_preset
+    return get_preset("tiny").replace(num_experts=8, top_k=2)
+
+
+def write_prediction(res: dict, cfg, out_dir: str, dtype: str = "bfloat16") -> dict:
+    """The cost model's picks as a tuning cache (entries marked "predicted"), its JSON and a PNG,
+    under `out_dir`. Keys name the profiled part as its backend would: a full node of it
+    (the profile's gpus_per_node) at res["ep"]."""
+    import datetime
+
+    from longmoe.plan.hardware import get_hardware
+    from longmoe.tuning.cache import make_key, save
+    hw = get_hardware(res["hardware_key"])
+    sig = f"{hw.link}-{hw.gpus_per_node}"
+    ep, transport = res["ep"], res["transport"]
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    entries = {}
+    for T, r in res["results"].items():
+        key = make_key(hw.backend, hw.arch, sig, ep, cfg.hidden_size, cfg.top_k, dtype, int(T))
+        entries[key] = {"chunks": r["best_chunks"], "transport": transport, "ms": r["best_ms"],
+                        "nochunk_ms": r["nochunk_ms"], "speedup": r["speedup"],
+                        "local_tokens": int(T), "chunk_by": "experts", "date": date,
+                        "device": hw.name, "predicted": res["label"]}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_file = save(out, entries)
+    stem = f"{hw.backend}_{hw.arch}_{sig}_ep{ep}"
+    (out / f"prediction_{stem}.json").write_text(json.dumps(res, indent=1))
+    curves = {int(T): {"sweep_ms": {transport: r["sweep_ms"]}} for T, r in res["results"].items()}
+    png = plot(curves, out / f"chunks_predicted_{stem}.png",
+               f"{res['label']}: {hw.name} x{ep} ({sig}), H={cfg.hidden_size}, top-{cfg.top_k}")
+    return {"cache": str(cache_file), "keys": sorted(entries),
+            "plot": str(png) if png else None,
+            "plot_note": None if png else "matplotlib missing: pip install longmoe[tune]"}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from longmoe.backends import register
+from longmoe.backends.registry import register
 from longmoe.backends.base import Backend
 from longmoe.backends.cpu.collective import GlooCollective
 from longmoe.backends.timing import Timer, WallTimer

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from longmoe.backends import register
+from longmoe.backends.registry import register
 from longmoe.backends.base import CORE_PACKAGES
+from longmoe.backends.cuda.aot import TARGETS
 from longmoe.backends.cuda.collective import NcclCollective
 from longmoe.backends.cuda.probe import nvlink_summary
 from longmoe.backends.torch_gpu import TorchGpuBackend
@@ -23,6 +24,10 @@ class CudaBackend(TorchGpuBackend):
     packages = CORE_PACKAGES + ("pynvml",)
     data_dir = Path(__file__).parent
     collective = NcclCollective()
+
+    @classmethod
+    def compile_targets(cls) -> tuple:
+        return TARGETS
 
     @classmethod
     def is_available(cls) -> bool:

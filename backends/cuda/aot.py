@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from longmoe.backends.aot import CompileTarget, register_target
+from longmoe.backends.aot import CompileTarget
 
 
 def _ptxas_usage(compiled) -> tuple[int, int, int]:
@@ -29,4 +29,4 @@ def _ptxas_usage(compiled) -> tuple[int, int, int]:
 
 
 # H100/H200: 255 registers per thread, 227 KiB of shared memory per block.
-register_target(CompileTarget("sm_90", "cuda", "cuda", 90, 32, 255, 227 * 1024, _ptxas_usage))
+TARGETS = (CompileTarget("sm_90", "cuda", "cuda", 90, 32, 255, 227 * 1024, _ptxas_usage),)

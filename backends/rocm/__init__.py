@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from longmoe.backends import register
+from longmoe.backends.registry import register
 from longmoe.backends.base import CORE_PACKAGES
+from longmoe.backends.rocm.aot import TARGETS
 from longmoe.backends.rocm.collective import RcclCollective
 from longmoe.backends.rocm.probe import link_summary
 from longmoe.backends.torch_gpu import TorchGpuBackend
@@ -23,6 +24,12 @@ class RocmBackend(TorchGpuBackend):
     packages = CORE_PACKAGES + ("hip-python", "amdsmi")
     data_dir = Path(__file__).parent
     collective = RcclCollective()
+    # AMD's Triton code generator takes these per launch; the tables tune them per arch.
+    launch_keys = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+    @classmethod
+    def compile_targets(cls) -> tuple:
+        return TARGETS
 
     def __init__(self) -> None:
         self._grouped_mm_ok: dict[torch.dtype, bool] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from longmoe.backends.aot import CompileTarget, register_target
+from longmoe.backends.aot import CompileTarget
 
 
 def _amdgcn_usage(compiled) -> tuple[int, int, int]:
@@ -19,7 +19,8 @@ def _amdgcn_usage(compiled) -> tuple[int, int, int]:
     return regs, spills, lds
 
 
-_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # MI300X (gfx942): 512 VGPRs per lane with AGPRs, 64 KiB LDS; MI355X (gfx950): 160 KiB LDS.
-register_target(CompileTarget("gfx942", "rocm", "hip", "gfx942", 64, 512, 64 * 1024, _amdgcn_usage, _KEYS))
-register_target(CompileTarget("gfx950", "rocm", "hip", "gfx950", 64, 512, 160 * 1024, _amdgcn_usage, _KEYS))
+TARGETS = (
+    CompileTarget("gfx942", "rocm", "hip", "gfx942", 64, 512, 64 * 1024, _amdgcn_usage),
+    CompileTarget("gfx950", "rocm", "hip", "gfx950", 64, 512, 160 * 1024, _amdgcn_usage),
+)

@@ -23,6 +23,7 @@ from longmoe.bench import write_json_and_table
 def _peers():
     """name -> fn(h, w, y) returning a scalar loss with autograd (mean over tokens)."""
     from longmoe.ops import linear_cross_entropy, linear_policy_loss
+    from longmoe.rl.objective import Objective, TokenInputs
 
     def ours(impl, chunk=None):
         return lambda h, w, y: linear_cross_entropy(h, w, y, impl=impl, chunk_tokens=chunk)
@@ -31,9 +32,10 @@ def _peers():
         def fn(h, w, y):
             g = torch.Generator(device=h.device).manual_seed(0)
             adv = torch.randn(y.shape, device=h.device, generator=g)
-            old = torch.full(y.shape, float("nan"), device=h.device)  # on-policy tokens
+            objective = Objective()  # GRPO clipped surrogate, token mean, on-policy tokens
+            inputs = TokenInputs(adv, objective.token_weights(y != -100, int((y != -100).sum())))
             impl = "fused" if h.device.type != "cpu" else "fused_torch"
-            return linear_policy_loss(h, w, y, adv, old, entropy_coef=0.0, impl=impl,
+            return linear_policy_loss(h, w, y, objective, inputs, impl=impl,
                                       chunk_tokens=chunk)[0]
         return fn
 

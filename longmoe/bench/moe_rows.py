@@ -49,7 +49,7 @@ def run_bench(tokens, top_k, hidden, ffn, dtype, configs, iters, device) -> dict
     dt = getattr(torch, dtype)
     rows = []
     why_not = MOE_ROWS.why_not("triton", torch.empty(1, device=dev, dtype=dt))
-    impls = [("torch", None)] + ([] if why_not else [("triton", c) for c in configs])
+    impls = [("reference", None)] + ([] if why_not else [("triton", c) for c in configs])
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(T)
         ops = _ops(T, top_k, hidden, ffn, dev, dt, g)

@@ -26,7 +26,7 @@ from pathlib import Path
 from longmoe.bench import write_json_and_table
 
 STAGES = [
-    ("baseline", {"parallel.recompute": "selective", "impl.linear_ce": "naive",
+    ("baseline", {"parallel.recompute": "selective", "impl.linear_ce": "reference",
                   "impl.policy_loss": "unfused", "parallel.fsdp": "false", "parallel.chunks": 1}),
     ("+linear CE", {"impl.linear_ce": "auto", "impl.policy_loss": "auto"}),
     ("+FSDP2", {"parallel.fsdp": "true"}),

@@ -120,9 +120,11 @@ class RuleSource:
         noise = torch.randint(0, self.vocab, (R,), generator=g)
         response = rule_walk(self.rule, prompt[-1:], follow[None], noise[None])[0]
         adv = self._rewards(grp)[i - grp * G]
-        return Sample(prompt=prompt, response=response, advantage=adv,
-                      old_logprobs=torch.full((R,), -math.log(self.vocab)),
-                      index=i, where=self.where(i))
+        # The rollout, reference and old policies are all the uniform one.
+        uniform = torch.full((R,), -math.log(self.vocab))
+        return Sample(prompt=prompt, response=response, advantage=adv, old_logprobs=uniform,
+                      ref_logprobs=uniform, rollout_logprobs=uniform, index=i,
+                      where=self.where(i))
 
     def get_many(self, indices) -> list[Sample]:
         return [self.get(i) for i in indices]

@@ -13,6 +13,10 @@ import math
 
 from longmoe.errors import UserError
 
+# Per response token, optional: the trainer's policy at rollout time, the reference policy (KL
+# terms) and the rollout engine's (truncated importance sampling).
+LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
+
 # Advantages and log-probs train in float32: a larger magnitude would become infinite there.
 F32_MAX = 3.4028234663852886e38
 
@@ -35,7 +39,8 @@ def _per_token(row: dict, key: str, n: int, where: str) -> list | None:
     return vals
 
 
-def parse_sample(line: str, where: str, vocab_size: int) -> dict:
+def parse_sample(line: str, where: str, vocab_size: int,
+                 require: dict[str, str] | None = None) -> dict:
     """The row of one JSONL line, checked field by field."""
     constants: list[str] = []
 
@@ -49,13 +54,17 @@ def parse_sample(line: str, where: str, vocab_size: int) -> dict:
         raise UserError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object")
-    check_sample(row, where, vocab_size)
+    check_sample(row, where, vocab_size, require)
     if constants:  # outside the fields check_sample reads, which name their own
         raise UserError(f"{where}: {constants[0]} is not valid JSON (no NaN or Infinity)")
     return row
 
 
-def check_sample(row: dict, where: str, vocab_size: int) -> None:
+def check_sample(row: dict, where: str, vocab_size: int,
+                 require: dict[str, str] | None = None) -> None:
+    """`require`: log-prob fields the loss needs (field -> why); a row without one is an error,
+    never a silent zero term."""
+    require = require or {}
     for key in ("prompt", "response", "advantage"):
         if key not in row:
             raise UserError(f"{where}: missing field {key!r}")
@@ -82,8 +91,11 @@ def check_sample(row: dict, where: str, vocab_size: int) -> None:
         _finite(where, "advantage", a)
     else:
         raise UserError(f"{where}: advantage must be a number or a list of numbers")
-    for key in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
-        for i, v in enumerate(_per_token(row, key, n, where) or []):
+    for key in LOGPROB_FIELDS:
+        vals = _per_token(row, key, n, where)
+        if vals is None and key in require:
+            raise UserError(f"{where}: missing field {key!r} ({require[key]})")
+        for i, v in enumerate(vals or []):
             if not _is_number(v):
                 raise UserError(f"{where}: {key}[{i}]: {v!r} is not a number")
             _finite(where, f"{key}[{i}]", v)
@@ -111,7 +123,7 @@ def fit(row: dict, seq_len: int, policy: str, where: str) -> tuple[dict | None, 
                         f"data.overlong=drop or truncate trains the rest")
     keep = seq_len + 1 - P
     cut = dict(row)
-    for key in ("response", "advantage", "old_logprobs", "loss_mask"):
+    for key in ("response", "advantage", *LOGPROB_FIELDS, "loss_mask"):
         if isinstance(row.get(key), list):
             cut[key] = row[key][:keep]
     return cut, "truncated"

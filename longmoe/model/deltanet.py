@@ -100,7 +100,7 @@ class GatedDeltaNet(nn.Module):
 
     def _fused(self, x) -> bool:
         """Compile the conv and the gated norm on GPUs, unless an eager core was asked for."""
-        return self.impl not in ("chunked", "recurrent") and not compile_unavailable(x.device)
+        return self.impl not in ("chunked", "reference") and not compile_unavailable(x.device)
 
     def _conv(self, qkv_BSC, halo_BKC=None, history_BS=None):
         """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros);

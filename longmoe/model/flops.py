@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from longmoe.config import ModelConfig
+from longmoe.plan.hardware import profile_for_device
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,6 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool 
 
 
 GDN_CHUNK = 64
-
-
-def linear_attention_params(cfg: ModelConfig) -> int:
-    H, Hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    Kd, Vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, Hv * dv
-    conv = 2 * Kd + Vd
-    return H * conv + H * Vd + 2 * H * Hv + conv * cfg.linear_conv_kernel + 2 * Hv + dv + Vd * H
 
 
 def linear_attention_flops_per_token(cfg: ModelConfig) -> tuple[float, float]:
@@ -106,8 +100,8 @@ def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute="none",
 
 def balance_crossover(cfg: ModelConfig) -> float:
     """The sample length at which causal attention's work equals the per-token work of the
-    whole model (longmoe.data.balance.attention_crossover), from the forward FLOPs above."""
-    from longmoe.data.balance import attention_crossover
+    whole model, from the forward FLOPs above: the `crossover` of longmoe.data.balance's
+    sample cost (L + L^2 / crossover; inf without full attention)."""
     pair = 4 * cfg.num_heads * cfg.head_dim * sum(cfg.layer_type(i) == "full_attention"
                                                   for i in range(cfg.num_layers))
     per_token = 2 * cfg.hidden_size * cfg.vocab_size
@@ -115,17 +109,12 @@ def balance_crossover(cfg: ModelConfig) -> float:
         kind = cfg.layer_type(i)
         f = layer_forward_flops_per_token(cfg, 0, True, kind)
         per_token += f - (attention_core_flops_per_token(cfg, 0) if kind == "full_attention" else 0)
-    return attention_crossover(per_token, pair)
+    # causal attention costs pair * L^2 / 2 a sample (L(L+1)/2 pairs)
+    return 2 * per_token / pair if pair > 0 else float("inf")
 
 
 def dense_peak_flops(probe: dict) -> float | None:
     """bf16 dense peak of the device a backend probed, from the hardware profiles (None on CPU
     or for a device without a profile)."""
-    from longmoe.plan.hardware import _raw
-    name = str(probe.get("device_name") or "").lower()
-    if not name:
-        return None
-    for key, prof in _raw()["profiles"].items():
-        if key in name.replace(" ", ""):
-            return prof["bf16_dense_tflops"] * 1e12
-    return None
+    hw = profile_for_device(str(probe.get("device_name") or ""))
+    return hw.bf16_dense_tflops * 1e12 if hw else None

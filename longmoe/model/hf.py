@@ -203,8 +203,22 @@ def load_hf(model, directory: str | Path) -> int:
 
 # ---- export -------------------------------------------------------------------------------
 
-def _hf_tensors(name: str, t: torch.Tensor, first_expert: int, cfg, prefix: str = "model.") -> dict:
-    """Our (full, or one rank's experts) tensor -> {hf key: tensor} in the published layout."""
+def gathered_parameters(model):
+    """(our name, full tensor, its GroupedExperts or None), one parameter at a time in the same
+    order on every rank. A sharded (DTensor) parameter is all-gathered over its mesh, so every rank
+    must drain this; an expert stack comes out as this rank's [L, ...] experts, gathered over the
+    ranks that share them. Only one gathered tensor is alive per step when the caller drops it."""
+    from longmoe.model.moe import GroupedExperts
+    experts = {_plain(n): m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    for name, p in _our_layer_names(model).items():
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: every rank
+        yield name, full.detach(), experts.get(name.rsplit(".", 1)[0])
+        del full  # before the next gather, not after it
+
+
+def hf_tensors(name: str, t: torch.Tensor, first_expert: int, cfg, prefix: str = "model.") -> dict:
+    """Our (full, or one rank's experts) tensor -> {hf key: tensor} in the published layout. The
+    values are views of `t` (per expert: transposed)."""
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if name == "embed.weight":
         return {prefix + "embed_tokens.weight": t}
@@ -275,24 +289,19 @@ def export_hf(model, cfg, directory: str | Path, dtype: torch.dtype = torch.bflo
     """Write `model` (every rank calls this) as a Hugging Face checkpoint directory."""
     from safetensors.torch import save_file
 
-    from longmoe.model.moe import GroupedExperts
     out = Path(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    experts = {_plain(n): m
-               for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
     dense, mine, ep_rank = {}, {}, 0
-    for name, p in _our_layer_names(model).items():
-        owner = name.rsplit(".", 1)[0]
-        full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: every rank
-        if owner in experts:
-            ep_rank = experts[owner].first_expert // experts[owner].num_local
-            mine.update(_hf_tensors(name, full, experts[owner].first_expert, cfg))
+    for name, full, experts in gathered_parameters(model):
+        if experts is not None:
+            ep_rank = experts.first_expert // experts.num_local
+            mine.update(hf_tensors(name, full, experts.first_expert, cfg))
         else:
-            dense.update(_hf_tensors(name, full, 0, cfg))
+            dense.update(hf_tensors(name, full, 0, cfg))
     # One writer per expert group: the lowest rank holding those experts.
     writers = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():

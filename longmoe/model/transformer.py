@@ -7,6 +7,7 @@ Legend: B batch, S sequence, H hidden, V vocab.
 from __future__ import annotations
 
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from longmoe.model.moe import GroupedExperts, MoE
 from longmoe.model.packing import PackedRows
 from longmoe.ops.linear_ce import linear_logprobs
 from longmoe.ops.linear_ce_fused import linear_policy_loss
+
+if TYPE_CHECKING:
+    from longmoe.rl.objective import FusedLoss
 
 
 class Block(nn.Module):
@@ -48,15 +52,17 @@ class LMHead(nn.Module):
         self.impl = "auto"
         self.chunk_tokens: int | None = None  # None: sized from the linear-CE byte budget
 
-    def forward(self, x_BSH, labels_BS, with_entropy: bool = False, policy: dict | None = None):
-        """(logprobs, entropy or None, loss or None). With `policy` (the keyword arguments of
-        linear_policy_loss: advantages, old_logprobs, clip_low, clip_high, entropy_coef,
-        normalizer, impl) the RL loss is fused into the head: its gradient is computed in the
-        forward and the returned log-probs/entropy are detached, for logging."""
+    def forward(self, x_BSH, labels_BS, with_entropy: bool = False,
+                policy: FusedLoss | None = None):
+        """(logprobs, entropy or None, loss or None). With `policy` (the objective, its
+        per-token inputs and the POLICY_LOSS impl) the RL loss is fused into the head: its
+        gradient is computed in the forward and the returned log-probs/entropy are detached,
+        for logging."""
         h = self.norm(x_BSH)
         if policy is not None:
-            loss, lp, ent = linear_policy_loss(h, self.weight, labels_BS, chunk_tokens=self.chunk_tokens,
-                                               **policy)
+            loss, lp, ent = linear_policy_loss(h, self.weight, labels_BS, policy.objective,
+                                               policy.inputs, impl=policy.impl,
+                                               chunk_tokens=self.chunk_tokens)
             return lp, ent, loss
         lp, ent = linear_logprobs(h, self.weight, labels_BS, with_entropy=with_entropy,
                                   impl=self.impl, chunk_tokens=self.chunk_tokens)
@@ -77,7 +83,7 @@ class MoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False,
-                policy: dict | None = None, packing: PackedRows | None = None):
+                policy: FusedLoss | None = None, packing: PackedRows | None = None):
         """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar, policy loss or
         None); see LMHead.forward for `policy`. `packing`: the rows' samples (PackedRows, on
         this device; under context parallelism this rank's share, local_packing); its

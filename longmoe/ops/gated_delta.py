@@ -12,7 +12,7 @@ drops the initial state of that row. Legend: B batch, T tokens, Hk key heads, Hv
 C chunk length.
 
 Implementations (registry "gated_delta"):
-  recurrent  one token at a time: the definition above; the reference (slow; tests only).
+  reference  one token at a time: the definition above (slow; tests only).
   chunked    chunks of C tokens: within a chunk the writes are solved at once with a unit-lower-
              triangular system (WY form), across chunks the state is carried by an affine
              recurrence with its own backward (AffineScan); all fp32. Runs
@@ -33,7 +33,7 @@ import torch
 from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.registry import Registry
 
-GATED_DELTA = Registry("gated_delta")
+GATED_DELTA = Registry("gated_delta", renamed={"recurrent": "reference"})
 
 
 class AffineScan(torch.autograd.Function):
@@ -112,7 +112,10 @@ def _prep(q, k, v, g, beta):
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv % Hk:
         raise ValueError(f"value heads {Hv} are not a multiple of key heads {Hk}")
-    q, k = (torch.nn.functional.normalize(x.float(), dim=-1, eps=1e-6) for x in (q, k))
+    # x * rsqrt(|x|^2 + eps), as transformers' Qwen3.5 and fla's in-kernel l2norm compute it (not
+    # F.normalize's x / max(|x|, eps)): the two differ by ~eps/|x|^2, 5e-3 in the logits of a
+    # model at init_std 0.02, so the rollout engine's and ours would disagree.
+    q, k = (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     if Hv != Hk:
         q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
@@ -120,7 +123,7 @@ def _prep(q, k, v, g, beta):
     return tr(q), tr(k), tr(v), g.float().transpose(1, 2), beta.float().transpose(1, 2)
 
 
-@GATED_DELTA.register("recurrent", priority=0, reference=True)
+@GATED_DELTA.register("reference", priority=0, reference=True)
 def _recurrent(q, k, v, g, beta, initial_state=None, starts=None):
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     B, Hv, T, dk = k.shape

@@ -3,10 +3,10 @@
 Legend: M rows (tokens grouped by expert, contiguous), K in features, N out features, G groups.
 
 Implementations (registry "grouped_mm"):
-  loop   one matmul per non-empty group; runs everywhere; the reference.
-  torch  torch._grouped_mm (one kernel for all groups) where the backend supports it.
-  triton a portable Triton grouped GEMM (ops/kernels/grouped_gemm.py): the path where
-         _grouped_mm is unavailable (e.g. ROCm builds without it); tiles per vendor from backends.
+  reference  one matmul per non-empty group; runs everywhere.
+  torch      torch._grouped_mm (one kernel for all groups) where the backend supports it.
+  triton     a portable Triton grouped GEMM (ops/kernels/grouped_gemm.py): the path where
+             _grouped_mm is unavailable (builds without it); tiles per vendor from backends.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from longmoe.ops.registry import Registry
 
-GROUPED_MM = Registry("grouped_mm")
+GROUPED_MM = Registry("grouped_mm", renamed={"loop": "reference"})
 
 
 def _torch_check(x_MK, w_GKN, sizes):
@@ -40,7 +40,7 @@ def _triton_check(x_MK, w_GKN, sizes):
     from longmoe.ops.kernels import triton_ready
     if x_MK.device.type != "cpu" and x_MK.element_size() > 2:
         # Its tiles are sized for 2-byte inputs (fp32 needs twice the shared memory: the largest
-        # shipped tile asked for 288 KiB) and fp32 dots would round through tf32: the loop keeps
+        # shipped tile asked for 288 KiB) and fp32 dots would round through tf32: the reference keeps
         # fp32 exact.
         return f"the Triton grouped GEMM takes 2-byte inputs on a GPU, not {x_MK.dtype}"
     return triton_ready(x_MK.device)
@@ -55,8 +55,8 @@ def _triton_grouped(x_MK, w_GKN, sizes, offs=None):
     return GroupedMM.apply(x_MK, w_GKN, list(sizes), active_backend().kernel_config("grouped_gemm", bucket))
 
 
-@GROUPED_MM.register("loop", priority=0, reference=True)
-def _loop(x_MK, w_GKN, sizes, offs=None):
+@GROUPED_MM.register("reference", priority=0, reference=True)
+def _reference(x_MK, w_GKN, sizes, offs=None):
     outs, s = [], 0
     for g, n in enumerate(sizes):
         if n:
@@ -101,7 +101,7 @@ def _wgrad_triton(x_MK, dy_MN, sizes, offs=None):
     return grouped_dw(x_MK, dy_MN, list(sizes), active_backend().kernel_config("grouped_gemm"))
 
 
-def _wgrad_loop(x_MK, dy_MN, sizes, offs=None):
+def _wgrad_reference(x_MK, dy_MN, sizes, offs=None):
     out = x_MK.new_zeros((len(sizes), x_MK.shape[1], dy_MN.shape[1]))
     s = 0
     for g, n in enumerate(sizes):
@@ -111,7 +111,7 @@ def _wgrad_loop(x_MK, dy_MN, sizes, offs=None):
     return out
 
 
-_WGRAD = {"torch": _wgrad_torch, "triton": _wgrad_triton, "loop": _wgrad_loop}
+_WGRAD = {"torch": _wgrad_torch, "triton": _wgrad_triton, "reference": _wgrad_reference}
 
 
 def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, sizes: list[int],

@@ -13,38 +13,26 @@ Legend: C rows of the chunk, V vocab, H hidden.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
+from longmoe.backends import active_backend
 from longmoe.ops.kernels import triton_ready
-
-log = logging.getLogger("longmoe.ops")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 accumulation for bf16/fp16/fp32 inputs; fp64 stays fp64 (high-precision references).
     return torch.promote_types(dtype, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _has_out_dtype(device_type: str) -> bool:
-    if device_type == "cpu":
-        return False
-    try:
-        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device_type)
-        torch.mm(a, a, out_dtype=torch.float32)
-        return True
-    except (RuntimeError, TypeError):
-        log.info("linear_ce: torch.mm(out_dtype=fp32) unavailable on %s; upcasting", device_type)
-        return False
+def _has_out_dtype(device: torch.device) -> bool:
+    return active_backend().fp32_output_gemm(device) is None
 
 
 def logits_into(h_CH, w_VH, out_CV):
     """out = h @ w.T in out's dtype (fp32 accumulate and fp32 result for bf16/fp16 inputs)."""
     if h_CH.dtype == out_CV.dtype:
         return torch.mm(h_CH, w_VH.T, out=out_CV)
-    if _has_out_dtype(h_CH.device.type):
+    if _has_out_dtype(h_CH.device):
         return torch.mm(h_CH, w_VH.T, out_dtype=out_CV.dtype, out=out_CV)
     return torch.mm(h_CH.to(out_CV.dtype), w_VH.T.to(out_CV.dtype), out=out_CV)
 
@@ -53,7 +41,7 @@ def accumulate_dw(dw_VH, dz_CV, h_CH):
     """dw (fp32/fp64) += dz.T @ h, accumulating in dw's precision."""
     if dz_CV.dtype == dw_VH.dtype:
         return dw_VH.addmm_(dz_CV.T, h_CH)
-    if _has_out_dtype(h_CH.device.type):
+    if _has_out_dtype(h_CH.device):
         return torch.addmm(dw_VH, dz_CV.T, h_CH, out_dtype=dw_VH.dtype, out=dw_VH)
     return dw_VH.addmm_(dz_CV.T.to(dw_VH.dtype), h_CH.to(dw_VH.dtype))
 
@@ -93,7 +81,6 @@ class TritonRows:
 
     @staticmethod
     def _cfg(device: torch.device) -> dict:
-        from longmoe.backends import active_backend
         return active_backend().kernel_config("linear_ce_rows")
 
     @classmethod

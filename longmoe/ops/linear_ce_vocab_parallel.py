@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longmoe.ops.linear_ce import _acc_dtype, default_chunk_tokens
+from longmoe.ops.linear_ce_chunks import default_chunk_tokens
+from longmoe.ops.linear_ce_engines import acc_dtype
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TH, w_VH, labels_T, vocab_start, ignore_index, chunk, group):
         T, V_r = h_TH.shape[0], w_VH.shape[0]
-        acc = _acc_dtype(h_TH.dtype)
+        acc = acc_dtype(h_TH.dtype)
         local_T = (labels_T >= vocab_start) & (labels_T < vocab_start + V_r)
         idx_T = torch.where(local_T, labels_T - vocab_start, 0)
         lse_T = torch.empty(T, dtype=acc, device=h_TH.device)

@@ -5,9 +5,9 @@ and SwiGLU forward and backward.
 Legend: T tokens, K top-k, A = T*K assignments, H hidden, M rows, F expert FFN.
 
 Implementations:
-  torch   eager PyTorch; runs everywhere; the reference. A combine is a gather that writes an
-          A x H copy plus a batched product; SwiGLU's backward five elementwise kernels.
-  triton  one pass each (ops/kernels/moe_rows.py), fp32 inside; tiles per vendor from backends.
+  reference  eager PyTorch; runs everywhere. A combine is a gather that writes an A x H copy
+             plus a batched product; SwiGLU's backward five elementwise kernels.
+  triton     one pass each (ops/kernels/moe_rows.py), fp32 inside; tiles per vendor from backends.
 
 Every op takes `impl` ("auto" picks triton where Triton can run on the tensors' device).
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from longmoe.ops.registry import Registry
 
-MOE_ROWS = Registry("moe_rows")
+MOE_ROWS = Registry("moe_rows", renamed={"torch": "reference"})
 
 
 def row_dot(a_MH: torch.Tensor, b_MH: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ def _triton_check(x: torch.Tensor) -> str | None:
 
 
 MOE_ROWS.register("triton", priority=5, check=_triton_check)(TritonRows)
-MOE_ROWS.register("torch", priority=0, reference=True)(TorchRows)
+MOE_ROWS.register("reference", priority=0, reference=True)(TorchRows)
 
 
 def _ops(x: torch.Tensor, impl: str):

@@ -10,7 +10,7 @@ Implementations (registry "recompute"):
   checkpoint  torch.utils.checkpoint, non-reentrant (composes with FSDP2 hooks and autograd
               collectives; the reentrant variant does not); `selective` through its
               selective-checkpoint contexts.
-  none        store activations; the reference.
+  reference   store activations (no recompute, whatever the policy).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from longmoe.ops.registry import Registry
 
-RECOMPUTE = Registry("recompute")
+RECOMPUTE = Registry("recompute", renamed={"none": "reference"})
 POLICIES = ("none", "selective", "full")
 
 
@@ -106,8 +106,8 @@ def _checkpoint(block: nn.Module, policy: str = "full") -> nn.Module:
     return Recompute(block, selective=policy == "selective")
 
 
-@RECOMPUTE.register("none", priority=0, reference=True)
-def _none(block: nn.Module, policy: str = "full") -> nn.Module:
+@RECOMPUTE.register("reference", priority=0, reference=True)
+def _reference(block: nn.Module, policy: str = "full") -> nn.Module:
     return block
 
 

@@ -2,6 +2,8 @@
 
 A named implementation that cannot run here raises `ImplUnavailable` with the reason; "auto" walks
 the priority list, takes the first that can run, and logs which one it picked (once per key).
+Every registry calls its plain-PyTorch reference "reference"; a name an implementation was known
+by before is rejected with its new name (`renamed`), never mapped silently.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from longmoe.errors import ConfigError
+
 log = logging.getLogger("longmoe.ops")
+REFERENCE = "reference"
 
 
 class ImplUnavailable(RuntimeError):
@@ -28,17 +33,37 @@ class Impl:
 
 
 class Registry:
-    def __init__(self, primitive: str):
+    def __init__(self, primitive: str, renamed: dict[str, str] | None = None):
         self.primitive = primitive
         self._impls: dict[str, Impl] = {}
         self._announced: set[tuple] = set()
+        self.renamed = dict(renamed or {})  # former name -> current name
 
     def register(self, name: str, *, priority: int = 0, reference: bool = False,
                  check: Callable[..., str | None] = lambda *a, **k: None):
+        if reference != (name == REFERENCE):
+            raise ValueError(f"{self.primitive}: the reference implementation is registered as "
+                             f"{REFERENCE!r} (and only it), got {name!r}")
+
         def deco(fn):
             self._impls[name] = Impl(name, fn, check, priority, reference)
             return fn
         return deco
+
+    def renamed_message(self, name: str) -> str | None:
+        """"impl 'x' is now called 'y'" for a former name, else None."""
+        if name in self.renamed and name not in self._impls:
+            return f"impl {name!r} is now called {self.renamed[name]!r}"
+        return None
+
+    def check_name(self, name: str, field: str, extra: tuple[str, ...] = ()) -> None:
+        """ConfigError naming `field` unless `name` is auto, a registered impl or in `extra`."""
+        valid = ("auto", *self.names(), *extra)
+        if name in valid:
+            return
+        was = self.renamed_message(name)
+        raise ConfigError(field, was if was else
+                          f"unknown implementation {name!r}; valid: {', '.join(valid)}")
 
     def names(self) -> list[str]:
         return sorted(self._impls, key=lambda n: -self._impls[n].priority)
@@ -52,6 +77,9 @@ class Registry:
 
     def select(self, impl: str, *args, **kw) -> Impl:
         if impl != "auto":
+            was = self.renamed_message(impl)
+            if was:
+                raise ImplUnavailable(f"{self.primitive}: {was}")
             if impl not in self._impls:
                 raise ImplUnavailable(f"{self.primitive}: unknown impl {impl!r}; "
                                       f"valid: auto, {', '.join(self.names())}")

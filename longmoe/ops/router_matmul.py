@@ -4,7 +4,7 @@
 Legend: T tokens, H hidden, E experts.
 
 Implementations:
-  fp32   (reference; runs everywhere) casts x and W to fp32 (fp64 stays fp64) and multiplies; at
+  reference  (runs everywhere) casts x and W to fp32 (fp64 stays fp64) and multiplies; at
          impl.fp32_matmul "high" a GPU runs these GEMMs on TF32. It keeps x and W as they came for
          the backward, not their fp32 casts (an fp32 copy of x is 4 bytes a token and hidden
          unit: 0.5 GiB a layer at 64K tokens, H = 2048).
@@ -25,23 +25,14 @@ from __future__ import annotations
 
 import torch
 
+from longmoe.backends import active_backend
 from longmoe.ops.registry import Registry
 
-ROUTER_MATMUL = Registry("router_matmul")
-
-_native: dict[str, str | None] = {}  # device type -> None if mm(out_dtype=float32) runs, else why
+ROUTER_MATMUL = Registry("router_matmul", renamed={"fp32": "reference"})
 
 
 def _native_reason(device: torch.device) -> str | None:
-    if device.type not in _native:
-        try:
-            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            torch.mm(a, a, out_dtype=torch.float32)
-            _native[device.type] = None
-        except Exception as e:  # noqa: BLE001 - any failure means "not on this device"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            _native[device.type] = f"no bf16 GEMM with fp32 output on {device.type}: {first[:80]}"
-    return _native[device.type]
+    return active_backend().fp32_output_gemm(device)
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -88,8 +79,8 @@ def _mixed(x_TH, w_EH):
     return _MixedLogits.apply(x_TH, w_EH)
 
 
-@ROUTER_MATMUL.register("fp32", priority=0, reference=True)
-def _fp32(x_TH, w_EH):
+@ROUTER_MATMUL.register("reference", priority=0, reference=True)
+def _reference(x_TH, w_EH):
     return _Fp32Logits.apply(x_TH, w_EH)
 
 

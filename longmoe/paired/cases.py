@@ -7,6 +7,8 @@ memory and median time. Legend: T tokens, H hidden, V vocab, G groups, K/N GEMM 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from longmoe.backends import active_backend
@@ -14,6 +16,8 @@ from longmoe.config import get_preset
 from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm
 from longmoe.ops.linear_ce import LINEAR_CE, linear_cross_entropy, linear_logprobs
 from longmoe.ops.linear_ce_fused import POLICY_LOSS, linear_policy_loss
+from longmoe.rl.objective import (Objective, TokenInputs, counts_to_int, local_counts,
+                                  sample_token_counts)
 from longmoe.ops.recompute import apply_recompute
 from longmoe.paired.harness import TOLERANCE, PairedResult
 from longmoe.paired.memtrack import measure
@@ -53,32 +57,78 @@ def linear_ce_case(impl="auto", seed=0, T=47, H=31, V=123, dtype=torch.float32, 
         dh, dw = torch.autograd.grad(obj, [hh, ww])
         return lp, ent, ce, dh, dw
 
-    res = PairedResult("linear_ce", name, "naive", TOLERANCE[dtype],
+    res = PairedResult("linear_ce", name, "reference", TOLERANCE[dtype],
                        info={"T": T, "H": H, "V": V, "dtype": str(dtype), "seed": seed})
     cand = run(name, dtype)
-    ref = run("naive", _ref_dtype(dtype))
+    ref = run("reference", _ref_dtype(dtype))
     for k, a, b in zip(("logprobs", "entropy", "ce_loss", "dH", "dW"), cand, ref):
         res.add(k, a, b)
-    # Memory and time at the candidate dtype for both: the naive path holds [T, V] logits.
+    # Memory and time at the candidate dtype for both: the reference holds [T, V] logits.
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("naive", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     res.info["logits_bytes"] = T * V * 4
     return res
 
 
+# Every term of the objective on, over packed rows: what `longmoe paired policy_loss` checks.
+ALL_TERMS = Objective(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3", tis_cap=2.0,
+                      entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean")
+
+
+def _packed_sample_ids(g, T: int, pad_every: int = 9) -> torch.Tensor:
+    """Sample ids of T tokens laid end to end as packed rows are, samples of 1-12 tokens, with
+    a padding token (-1) after about every `pad_every`-th sample."""
+    ids, k = [], 0
+    while len(ids) < T:
+        n = int(torch.randint(1, 13, (1,), generator=g))
+        ids += [k] * n
+        if int(torch.randint(0, pad_every, (1,), generator=g)) == 0:
+            ids.append(-1)
+        k += 1
+    return torch.tensor(ids[:T])
+
+
+def policy_inputs(g, lp0, mask, objective: Objective, sample_ids) -> TokenInputs:
+    """Fresh per-token inputs around the policy's log-probs lp0 (fp64) that put tokens in every
+    regime: ratios both sides of the clip range and beyond the dual-clip bound, on-policy
+    tokens (NaN old), TIS weights above the cap, a reference policy away from the current."""
+    T = lp0.numel()
+    dev = lp0.device
+    trained = mask.nonzero()[:, 0].cpu()
+    trained = trained[torch.randperm(trained.numel(), generator=g)].to(dev)
+    n_far = max(4, trained.numel() // 8)
+    far, on_policy = trained[:n_far], trained[n_far:n_far + trained.numel() // 5]
+    old = lp0 + 0.4 * torch.randn(T, generator=g, dtype=torch.float64).to(dev)
+    # Ratios e^1.5-e^2.5 on `far` tokens: beyond the clip bound for A > 0, past the dual-clip
+    # bound for A < 0 (half of them each).
+    old[far] = lp0[far] - 1.5 - torch.rand(n_far, generator=g, dtype=torch.float64).to(dev)
+    roll = (old + 0.6 * torch.randn(T, generator=g, dtype=torch.float64).to(dev)).clamp(max=0)
+    old[on_policy] = float("nan")
+    ref = (lp0 + 0.5 * torch.randn(T, generator=g, dtype=torch.float64).to(dev)).clamp(max=0)
+    adv = torch.randn(T, generator=g).to(dev)
+    adv[far[0::2]], adv[far[1::2]] = -adv[far[0::2]].abs(), adv[far[1::2]].abs()
+    sample_tokens = sample_token_counts(mask, sample_ids.to(dev))
+    n_tokens, n_samples = counts_to_int(local_counts(mask, sample_tokens))
+    weights = objective.token_weights(mask, n_tokens, n_samples, sample_tokens)
+    return TokenInputs(adv, weights, old.float(), ref.float(), roll.float())
+
+
 def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32, chunk_tokens=8,
-                     entropy_coef=0.01, device=None) -> PairedResult:
-    """The fused GRPO/PPO loss (gradients computed in the forward) against the naive
-    log-softmax reference; ratios are spread so both clip sides and on-policy tokens occur."""
+                     objective: Objective | None = None, device=None) -> PairedResult:
+    """The fused policy loss (gradients computed in the forward, the objective's closed-form
+    per-token derivatives) against the plain log-softmax reference with autograd through the
+    objective's per-token loss, on packed rows (several samples per row, by sample id)."""
     backend = active_backend()
     device = device or backend.device(0)
+    objective = objective or ALL_TERMS
     g = torch.Generator().manual_seed(seed)
     h, w, y = _head_inputs(g, T, H, V, device, ignored_every=6)
-    adv = torch.randn(T, generator=g).to(device)
+    sid = _packed_sample_ids(g, T)
+    y = torch.where(sid.to(device) < 0, -100, y)  # padding trains nothing
+    mask = y != -100
     with torch.no_grad():
-        lp0, _ = linear_logprobs(h.double(), w.double(), y, impl="naive")
-    old = (lp0 + 0.4 * torch.randn(T, generator=g, dtype=torch.float64).to(device)).float()
-    old[torch.randperm(T, generator=g)[: T // 5].to(device)] = float("nan")  # on-policy tokens
+        lp0, ent0 = linear_logprobs(h.double(), w.double(), y, impl="reference", with_entropy=True)
+    x = policy_inputs(g, lp0, mask, objective, sid)
     name = POLICY_LOSS.select(impl, h, w, y).name
 
     def run(which, dt):
@@ -86,20 +136,25 @@ def policy_loss_case(impl="auto", seed=0, T=53, H=29, V=131, dtype=torch.float32
         # Advantages and rollout log-probs stay fp32 (as the trainer passes them): a bf16
         # log-prob near -8 would be off by up to 0.03, i.e. 3% in the importance ratio.
         acc = torch.promote_types(dt, torch.float32)
-        loss, lp, ent = linear_policy_loss(hh, ww, y, adv.to(acc), old.to(acc), entropy_coef=entropy_coef,
+        loss, lp, ent = linear_policy_loss(hh, ww, y, objective, x.map(lambda t: t.to(acc)),
                                            impl=which, chunk_tokens=chunk_tokens)
         dh, dw = torch.autograd.grad(loss * 1.3, [hh, ww])
         return loss.detach(), lp, ent, dh, dw
 
+    stats = objective.stats(lp0, ent0, x.map(lambda t: t.double()), mask)
     res = PairedResult("policy_loss", name, "reference", TOLERANCE[dtype],
-                       info={"T": T, "H": H, "V": V, "dtype": str(dtype), "seed": seed})
-    # The surrogate sums advantage-weighted ratios whose advantages nearly cancel, so the loss can
-    # sit near 0 (5e-5 for one seed, against terms of size ~0.8): its error is measured against
-    # the size of its terms, mean |advantage|, not against itself.
-    scales = {"loss": float(adv.abs().mean())}
-    for k, a, b in zip(("loss", "logprobs", "entropy", "dH", "dW"), run(name, dtype),
+                       info={"T": T, "H": H, "V": V, "dtype": str(dtype), "seed": seed,
+                             "objective": dataclasses.asdict(objective),
+                             "tokens": {k: int(v) for k, v in stats.items() if k.endswith("frac")}})
+    # The loss sums weighted per-token terms that nearly cancel (advantages of both signs), so
+    # it can sit near 0: its error is measured against the size of its terms, sum |w * loss|.
+    per_token = objective.token_loss(lp0, ent0, x.map(lambda t: t.double()), mask)
+    scales = {"loss": float(per_token.abs().sum())}
+    cand = run(name, dtype)
+    for k, a, b in zip(("loss", "logprobs", "entropy", "dH", "dW"), cand,
                        run("reference", _ref_dtype(dtype))):
         res.add(k, a, b, scales.get(k))
+    res.info["loss"] = float(cand[0])
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
     _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
@@ -122,12 +177,12 @@ def grouped_mm_case(impl="auto", seed=0, sizes=(5, 0, 17, 1, 9), K=32, N=48,
         dx, dw = torch.autograd.grad((out * c.to(dt)).sum(), [xx, ww])
         return out, dx, dw
 
-    res = PairedResult("grouped_mm", name, "loop", TOLERANCE[dtype],
+    res = PairedResult("grouped_mm", name, "reference", TOLERANCE[dtype],
                        info={"sizes": list(sizes), "K": K, "N": N, "dtype": str(dtype)})
-    for k, a, b in zip(("out", "dX", "dW"), run(name, dtype), run("loop", _ref_dtype(dtype))):
+    for k, a, b in zip(("out", "dX", "dW"), run(name, dtype), run("reference", _ref_dtype(dtype))):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("loop", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
 
 
@@ -152,14 +207,14 @@ def gated_delta_case(impl="auto", seed=0, B=2, T=77, Hk=2, Hv=4, dk=16, dv=12, d
         grads = torch.autograd.grad((o * co).sum() + (S * cs).sum(), leaves)
         return (o, S) + grads
 
-    res = PairedResult("gated_delta", name, "recurrent", TOLERANCE[torch.float32],
+    res = PairedResult("gated_delta", name, "reference", TOLERANCE[torch.float32],
                        info={"B": B, "T": T, "Hk": Hk, "Hv": Hv, "dk": dk, "dv": dv,
                              "decay": decay})
     names = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dS0")
-    for k, a, b in zip(names, run(name), run("recurrent")):
+    for k, a, b in zip(names, run(name), run("reference")):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("recurrent"), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference"), backend, 3)
     return res
 
 
@@ -192,7 +247,8 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="fu
         return loss.detach(), {n.replace("block.", ""): p.grad.clone()
                                for n, p in m.named_parameters()}
 
-    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({policy})", "none",
+    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({policy})",
+                       "reference (stored activations)",
                        TOLERANCE[torch.float32], info={"layers": cfg.num_layers, "tokens": batch * seq})
     (lc, gc), (lr, gr) = run("full"), run("none")
     res.add("loss", lc, lr)
@@ -284,12 +340,12 @@ def router_matmul_case(impl="auto", seed=0, T=53, H=40, E=13, dtype=torch.bfloat
         y = router_logits(xx, ww, which)
         return (y, *torch.autograd.grad(y, (xx, ww), gl.to(y.dtype)))
 
-    res = PairedResult("router_matmul", name, "fp32", TOLERANCE[dtype],
+    res = PairedResult("router_matmul", name, "reference", TOLERANCE[dtype],
                        info={"T": T, "H": H, "E": E, "dtype": str(dtype), "seed": seed})
-    for k, a, b in zip(("logits", "dX", "dW"), run(name, dtype), run("fp32", _ref_dtype(dtype))):
+    for k, a, b in zip(("logits", "dX", "dW"), run(name, dtype), run("reference", _ref_dtype(dtype))):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("fp32", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res
 
 
@@ -336,13 +392,13 @@ def moe_rows_case(impl="auto", seed=0, T=13, K=3, H=37, F=11, dtype=torch.float3
                          impl=which)
         return (out, d_rows, d_w, d_x, a, d_h, gh, a2, dot, rows, dot2, acc)
 
-    res = PairedResult("moe_rows", name, "torch", TOLERANCE[dtype],
+    res = PairedResult("moe_rows", name, "reference", TOLERANCE[dtype],
                        info={"T": T, "K": K, "H": H, "F": F, "dtype": str(dtype), "seed": seed})
     keys = ("combine", "combine.d_rows", "combine.d_w", "dispatch.dX", "swiglu", "swiglu.dH",
             "swiglu_bwd.dH", "swiglu_bwd.a", "swiglu_bwd.dot", "gather_scale", "gather_scale.dot",
             "gather_sum+=")
-    for k, a, b in zip(keys, run(name, dtype), run("torch", _ref_dtype(dtype))):
+    for k, a, b in zip(keys, run(name, dtype), run("reference", _ref_dtype(dtype))):
         res.add(k, a, b)
     _, res.peak_bytes["candidate"], res.time_ms["candidate"] = measure(lambda: run(name, dtype), backend, 3)
-    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("torch", dtype), backend, 3)
+    _, res.peak_bytes["reference"], res.time_ms["reference"] = measure(lambda: run("reference", dtype), backend, 3)
     return res

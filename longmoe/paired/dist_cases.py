@@ -78,15 +78,15 @@ def ep_case(nproc=2, seed=0, T=37, chunks=3, top_k=2, skew=False, num_experts=8,
             device="cpu", transport="auto", chunk_by="experts", rows_impl="auto",
             wgrad="auto") -> PairedResult:
     """`device` names the backend the ranks run on ("cpu", "cuda", "rocm"); the reference is
-    always one CPU process in fp32 with the eager row ops and the loop grouped GEMM. The ranks
+    always one CPU process in fp32 with the reference row ops and grouped GEMM. The ranks
     always run the chunk pipeline (with nproc=1 too, where its all-to-alls are local)."""
     cfg = get_preset("tiny").replace(top_k=top_k, num_experts=num_experts, router_aux_loss_coef=1e-2)
     ranks = run_ranks(_ep_rank, nproc, dataclasses.asdict(cfg), seed, T, chunks, skew, transport,
                       chunk_by, rows_impl, wgrad, device=device)
     ref_moe = MoE(cfg)
     init_params(ref_moe, cfg, seed)
-    ref_moe.dispatcher.rows_impl = ref_moe.experts.rows_impl = "torch"
-    ref_moe.experts.impl = "loop"
+    ref_moe.dispatcher.rows_impl = ref_moe.experts.rows_impl = "reference"
+    ref_moe.experts.impl = "reference"
     if skew:
         _skew_router(ref_moe, cfg, seed)
     inputs = [_layer_inputs(cfg, seed, r, T, skew) for r in range(nproc)]
@@ -155,9 +155,10 @@ def _step_rank(rank, world, backend, run_dict, seed):
 
 def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunked",
                   num_layers=2, seq_len=48, batch_size=4, cp=1, cpu_offload=False,
-                  preset="tiny", gated_delta="auto") -> dict:
+                  preset="tiny", gated_delta="auto", loss: dict | None = None) -> dict:
     """batch_size: the global batch (data.batch_size)."""
     return {"model": {"preset": preset, "num_layers": num_layers, "router_aux_loss_coef": 1e-2},
+            "loss": dict(loss or {}),
             "parallel": {"ep": ep, "chunks": chunks, "recompute": recompute, "fsdp": fsdp,
                          "cp": cp, "cpu_offload": cpu_offload},
             "impl": {"linear_ce": linear_ce, "ce_chunk_tokens": 40 if linear_ce == "chunked" else 0,
@@ -168,8 +169,8 @@ def candidate_run(ep=2, chunks=2, recompute="full", fsdp=True, linear_ce="chunke
 def reference_run(cand: dict) -> dict:
     ref = {k: dict(v) for k, v in cand.items()}
     ref["parallel"] = {"ep": 1, "chunks": 1, "recompute": "none", "fsdp": False}
-    ref["impl"] = {"linear_ce": "naive", "grouped_mm": "loop", "policy_loss": "unfused",
-                   "gated_delta": "recurrent"}
+    ref["impl"] = {"linear_ce": "reference", "grouped_mm": "reference", "policy_loss": "unfused",
+                   "gated_delta": "reference"}
     return ref
 
 
@@ -239,14 +240,14 @@ def _vp_rank(rank, world, backend, seed, T, H, V, chunk):
 
 def vocab_parallel_case(nproc=2, seed=0, T=47, H=31, V=123, chunk=8) -> PairedResult:
     """Vocab split over `nproc` gloo ranks (uneven when nproc does not divide V) against the
-    single-rank naive path, fp64."""
+    single-rank reference, fp64."""
     from longmoe.ops.linear_ce import linear_logprobs
     ranks = run_ranks(_vp_rank, nproc, seed, T, H, V, chunk)
     h, w, y, c = _vp_inputs(seed, T, H, V)
     h, w = h.requires_grad_(), w.requires_grad_()
-    lp, ent = linear_logprobs(h, w, y, with_entropy=True, impl="naive")
+    lp, ent = linear_logprobs(h, w, y, with_entropy=True, impl="reference")
     dh, dw = torch.autograd.grad((lp * c[0]).sum() + (ent * c[1]).sum(), [h, w])
-    res = PairedResult("linear_ce_vocab_parallel", f"tp{nproc}", "naive", TOLERANCE[torch.float64] * 1e3,
+    res = PairedResult("linear_ce_vocab_parallel", f"tp{nproc}", "reference", TOLERANCE[torch.float64] * 1e3,
                        info={"T": T, "H": H, "V": V, "seed": seed})
     for r in ranks:
         res.add(f"logprobs@{len(res.errors)}", r["lp"], lp)

@@ -37,21 +37,37 @@ class PairedResult:
     peak_bytes: dict[str, int] = field(default_factory=dict)  # candidate / reference
     time_ms: dict[str, float] = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    compared: dict[str, int] = field(default_factory=dict)   # name -> elements compared
 
     @property
     def max_error(self) -> float:
-        return max(self.errors.values(), default=0.0)
+        # NaN first: a NaN difference is the worst result, and max() would skip past it.
+        nan = [v for v in self.errors.values() if v != v]
+        return nan[0] if nan else max(self.errors.values(), default=0.0)
+
+    @property
+    def nothing_compared(self) -> str | None:
+        """Why this comparison proves nothing (no quantity, or only empty tensors), else None."""
+        if not self.errors:
+            return "nothing was compared"
+        if not any(self.compared.get(k, 1) for k in self.errors):
+            return f"every compared tensor is empty ({', '.join(self.errors)})"
+        return None
 
     @property
     def ok(self) -> bool:
-        return self.max_error <= self.tolerance
+        return self.nothing_compared is None and all(v <= self.tolerance
+                                                     for v in self.errors.values())
 
     def add(self, name: str, cand: torch.Tensor, ref: torch.Tensor, scale: float | None = None):
         self.errors[name] = rel_err(cand, ref, scale)
+        self.compared[name] = int(ref.numel())
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "max_error": self.max_error, "ok": self.ok}
+        return {**asdict(self), "max_error": self.max_error, "ok": self.ok,
+                "nothing_compared": self.nothing_compared}
 
     def failures(self) -> list[str]:
-        return [f"{k}: {v:.3e} > {self.tolerance:.1e}" for k, v in self.errors.items()
-                if v > self.tolerance]
+        out = [self.nothing_compared] if self.nothing_compared else []
+        return out + [f"{k}: {v:.3e} > {self.tolerance:.1e}" for k, v in self.errors.items()
+                      if not v <= self.tolerance]

@@ -46,8 +46,7 @@ import torch
 
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad, wgrad_fn
 from longmoe.ops.moe_rows import gather_scale, gather_sum, swiglu_backward, swiglu_forward
-from longmoe.parallel.expert_parallel import (RoutePlan, inverse_permutation,
-                                              source_major_to_expert_major)
+from longmoe.parallel.routing import RoutePlan, inverse_permutation, source_major_to_expert_major
 
 
 WGRAD = ("auto", "delayed")

@@ -99,27 +99,42 @@ def _nonneg_int(v: str, flag: str) -> int:
     return n
 
 
+def trainer_cannot_run(lay) -> str | None:
+    """Why `longmoe train` rejects a layout at launch, or None when it runs it."""
+    if lay.tp > 1 or lay.pp > 1:
+        return (f"longmoe train runs TP = PP = 1 and rejects {lay.label} at launch; "
+                "this plan is an estimate until tensor and pipeline parallelism land")
+    return None
+
+
 def run(a) -> int:
     p, cfg = make_plan(a)
     cells = (grid(cfg, p.hardware, p.gpus, p.workload, headroom=a.headroom,
                   a=Assumptions(linear_core=a.linear_core)) if a.explain else [])
+    cannot = trainer_cannot_run(p.layout)
     if a.format == "table":
         print(render_table(p))
         if a.explain:
-            print(render_grid(cells))
+            print(render_grid(cells, p.layout))
     else:
         d = p.to_dict()
+        d["trainer_runs_it"] = cannot is None
+        if cannot:
+            print(f"note: {cannot}", file=sys.stderr)
         if a.explain:
             d["grid"] = [{"tp": c.layout.tp, "pp": c.layout.pp, "ep": c.layout.ep,
                           "cp": c.layout.cp, "verdict": c.verdict, "why": c.why,
-                          "peak_bytes": c.memory.peak if c.memory else None} for c in cells]
+                          "peak_bytes": c.memory.peak if c.memory else None,
+                          "trainer_runs_it": trainer_cannot_run(c.layout) is None}
+                         for c in cells]
         print(json.dumps(d, indent=2) if a.format == "json" else
               yaml.safe_dump(d, sort_keys=False, width=100), end="\n" if a.format == "json" else "")
     if a.out:
         text = run_config_yaml(p, command=" ".join(["longmoe", "recipe"] + _argv_of(a)),
                                linear_core=a.linear_core)
         Path(a.out).write_text(text)
-        print(f"wrote {a.out}", file=sys.stderr)
+        print(f"wrote {a.out}" + (" (longmoe train rejects it at launch: TP or PP > 1)"
+                                  if cannot else ""), file=sys.stderr)
     return 0
 
 
@@ -147,6 +162,9 @@ def render_table(p: Plan) -> str:
         f"  local sequence {p.local_seq:,} tokens; estimated peak {m.peak / GiB:.1f} GiB per GPU",
         f"  micro-batch budget {w.tokens_per_micro_batch:,} tokens "
         f"(data.max_tokens_per_micro_batch), gradients reduced per {w.grad_sync}"]
+    cannot = trainer_cannot_run(lay)
+    if cannot:
+        lines.append(f"  NOT RUNNABLE YET: {cannot}")
     if p.keep_fits > w.keep_last:
         lines.append(f"  {p.keep_fits} trailing layer(s) could skip recompute within the budget "
                      f"(--keep-last auto; now {w.keep_last})")
@@ -155,12 +173,24 @@ def render_table(p: Plan) -> str:
     return "\n".join(lines + [m.table()])
 
 
-def render_grid(cells) -> str:
+def render_grid(cells, chosen=None) -> str:
+    """The rejected cells of the TP x PP x EP x CP grid with the reason for each, then the
+    fitting ones in one line each (the chosen layout marked)."""
     count = Counter(c.verdict for c in cells)
-    out = [f"grid: {len(cells)} cells: {count['fits']} fit, {count['OOM']} OOM, "
-           f"{count['invalid']} invalid",
-           f"  {'layout':<18}{'verdict':<9}why"]
-    out += [f"  {c.layout.label:<18}{c.verdict:<9}{c.why}" for c in cells]
+    fits = [c for c in cells if c.verdict == "fits"]
+    rejected = [c for c in cells if c.verdict != "fits"]
+    out = [f"grid: {len(cells)} cells of TP x PP x EP x CP: {count['fits']} fit, "
+           f"{count['OOM']} OOM, {count['invalid']} invalid"]
+    if rejected:
+        out += [f"rejected ({len(rejected)}):", f"  {'layout':<18}{'verdict':<9}why"]
+        out += [f"  {c.layout.label:<18}{c.verdict:<9}{c.why}" for c in rejected]
+    if fits:
+        runs = sum(trainer_cannot_run(c.layout) is None for c in fits)
+        out += [f"fit ({len(fits)}; {runs} with TP = PP = 1, which longmoe train runs):"]
+        out += [f"  {c.layout.label:<18}{c.why}"
+                + ("   <- the plan" if chosen is not None and c.layout == chosen else "")
+                + ("   (estimate only: TP or PP > 1)" if trainer_cannot_run(c.layout) else "")
+                for c in fits]
     return "\n".join(out)
 
 
@@ -173,7 +203,7 @@ def run_config(p: Plan, linear_core: str = "kernel") -> dict:
         raise UserError("--out: the trainer shards with FSDP2; dist_opt is estimate-only")
     model = {"preset": p.model} if p.model in PRESETS else {"hf_config": p.model}
     impl = ({"linear_ce": "auto"} if w.linear_ce
-            else {"linear_ce": "naive", "policy_loss": "unfused"})
+            else {"linear_ce": "reference", "policy_loss": "unfused"})
     if linear_core != "kernel":  # the memory was planned for this core: run it
         impl["gated_delta"] = {"chunked": "chunked", "compiled": "chunked_compiled"}[linear_core]
     return {
@@ -208,9 +238,9 @@ def run_config_yaml(p: Plan, command: str, linear_core: str = "kernel") -> str:
             f"{p.memory.peak / GiB:.1f} GiB per GPU of {p.hardware.usable_gib} GiB "
             f"(budget {p.budget_bytes / GiB:.1f} GiB); local sequence {p.local_seq:,} tokens."]
     head += [f"#   {k}: {v}" for k, v in p.reasons.items()]
-    if lay.pp > 1 or lay.tp > 1:
-        head.append("# longmoe train runs tp = pp = 1 today: it rejects this file at launch "
-                    "until PP/TP land (the fields are the plan, kept for then).")
+    cannot = trainer_cannot_run(lay)
+    if cannot:
+        head.append(f"# NOT RUNNABLE YET: {cannot} (the fields are the plan, kept for then).")
     nodes = -(-p.gpus // p.hardware.gpus_per_node)
     if nodes > 1:
         head.append(f"# {nodes} nodes: start one process per GPU with torchrun on each node; "

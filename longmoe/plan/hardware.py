@@ -28,6 +28,8 @@ class Hardware:
     inter_node_gb_s: float
     simd_width: int
     unconfirmed: tuple[str, ...] = ()
+    backend: str = ""      # the longmoe.backends name that runs this part
+    link: str = ""         # the intra-node link kind its backend's probe reports
 
     @property
     def usable_bytes(self) -> int:
@@ -43,6 +45,28 @@ def names() -> list[str]:
     return sorted(_raw()["profiles"])
 
 
+def profiles() -> dict[str, dict]:
+    """The raw profiles of hardware.json, by key (the figures with their sources)."""
+    return _raw()["profiles"]
+
+
+def aliases() -> dict[str, str]:
+    """Other spellings of the profile keys ("h100-sxm" -> "h100")."""
+    return dict(_raw()["aliases"])
+
+
+def profile_for_device(device_name: str) -> Hardware | None:
+    """The profile whose key appears in a device's reported name ("NVIDIA H200" -> h200), or
+    None (CPU, or a device without a profile)."""
+    name = device_name.lower().replace(" ", "")
+    if not name:
+        return None
+    for key in _raw()["profiles"]:
+        if key in name:
+            return get_hardware(key)
+    return None
+
+
 def get_hardware(name: str) -> Hardware:
     raw = _raw()
     key = name.strip().lower()
@@ -55,4 +79,5 @@ def get_hardware(name: str) -> Hardware:
                     usable_gib=p["usable_gib"], hbm_tb_s=p["hbm_tb_s"],
                     gpus_per_node=p["gpus_per_node"], intra_node_fabric=p["intra_node_fabric"],
                     intra_node_gb_s=p["intra_node_gb_s"], inter_node_gb_s=p["inter_node_gb_s"],
-                    simd_width=p["simd_width"], unconfirmed=tuple(p.get("unconfirmed", ())))
+                    simd_width=p["simd_width"], unconfirmed=tuple(p.get("unconfirmed", ())),
+                    backend=p.get("backend", ""), link=p.get("link", ""))

@@ -148,8 +148,7 @@ def param_split(cfg: ModelConfig) -> dict[str, int]:
     # full attention differ); the activation estimate below still assumes full attention.
     n_lin = sum(cfg.layer_type(i) == "linear_attention" for i in range(cfg.num_layers))
     if n_lin:
-        from longmoe.model.flops import linear_attention_params
-        attn = ((cfg.num_layers - n_lin) * attn + n_lin * linear_attention_params(cfg)) \
+        attn = ((cfg.num_layers - n_lin) * attn + n_lin * cfg.linear_attention_params()) \
             / cfg.num_layers
     layer_dense = attn + shared + h * cfg.num_experts + 2 * h
     layer_experts = cfg.num_experts * 3 * h * cfg.moe_ffn_size
@@ -298,7 +297,7 @@ def ep_chunks_for(w: Workload, tokens: int) -> int:
 def _ce_chunk(w: Workload, tokens: int, vocab_local: int) -> int:
     if w.ce_chunk_tokens:
         return min(w.ce_chunk_tokens, tokens)
-    # Same rule as longmoe.ops.linear_ce.default_chunk_tokens (not imported: that module needs
+    # Same rule as longmoe.ops.linear_ce_chunks.default_chunk_tokens (not imported: that module needs
     # torch, and the planner must answer in well under a second).
     return max(1, min(tokens, 2 * GiB // (4 * vocab_local)))
 

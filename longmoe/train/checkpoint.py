@@ -78,15 +78,24 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _canonical(fqn: str) -> str:
+    """A parameter's name without the recompute wrapper's `block.` level (ops/recompute.Recompute),
+    so a checkpoint saved under one recompute policy resumes under another: the saved names are
+    the model's, not the wrapping's (model/hf.py drops the same level)."""
+    return fqn.replace(".block.", ".")
+
+
 def _per_expert(sd: dict, rows: dict[str, list[int]]) -> dict:
-    """Replace each expert stack (or its optimizer-state dict) by per-expert views."""
+    """Replace each expert stack (or its optimizer-state dict) by per-expert views; keys by their
+    canonical names."""
     out = {}
     for k, v in sd.items():
         if k not in rows:
+            k = _canonical(k)
             out[k] = v
             continue
         for i, e in enumerate(rows[k]):
-            key = f"{k}{_EXPERT}{e:05d}"
+            key = f"{_canonical(k)}{_EXPERT}{e:05d}"
             if isinstance(v, dict):  # AdamW state: moments per row, the shared step as is
                 out[key] = {sk: (_local(sv)[i] if torch.is_tensor(sv) and sv.dim() > 0 else sv)
                             for sk, sv in v.items()}
@@ -100,8 +109,9 @@ def _state(model, optim):
     rows = _expert_rows(model)
     msd = get_model_state_dict(model)
     osd = get_optimizer_state_dict(model, optim)
+    groups = [{**g, "params": [_canonical(n) for n in g["params"]]} for g in osd["param_groups"]]
     flat = {"model": _per_expert(msd, rows),
-            "optim": {**osd, "state": _per_expert(osd["state"], rows)}}
+            "optim": {**osd, "state": _per_expert(osd["state"], rows), "param_groups": groups}}
     return flat, msd, osd
 
 
@@ -242,6 +252,9 @@ def load(point: ResumePoint, model, optim, backend):
     # in place: the per-expert views write into msd/osd
     dcp.load(flat, storage_reader=VerifiedReader(point.path, md),
              planner=WeightsOnlyPlanner(point.path))
+    # Param groups were loaded into copies named canonically (see _state): hyperparameters back.
+    for group, loaded in zip(osd["param_groups"], flat["optim"]["param_groups"]):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
     set_model_state_dict(model, msd)
     set_optimizer_state_dict(model, optim, osd)
     rng = load_rng(point.path, _rank(), point.manifest)

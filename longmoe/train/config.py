@@ -93,15 +93,15 @@ class ParallelConfig:
 class ImplConfig:
     linear_ce: str = "auto"
     grouped_mm: str = "auto"
-    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_compiled | chunked | recurrent
+    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_compiled | chunked | reference
     recompute: str = "auto"
-    # GRPO loss inside the LM head with gradients in the forward (auto | fused | fused_torch |
-    # reference), or "unfused": log-probs from linear_ce, then the loss on them.
+    # The policy objective (loss.*) inside the LM head with gradients in the forward (auto |
+    # fused | fused_torch | reference), or "unfused": log-probs from linear_ce, then the loss.
     policy_loss: str = "auto"
-    # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | torch.
+    # The MoE layer's row work (combine, dispatch gradient, SwiGLU): auto | triton | reference.
     moe_rows: str = "auto"
     # The router's logits GEMM (ops/router_matmul.py): auto | mixed (one bf16 GEMM with fp32
-    # output) | fp32 (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
+    # output) | reference (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
     router_matmul: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
@@ -123,10 +123,7 @@ class ImplConfig:
                                   ("gated_delta", GATED_DELTA, ()), ("recompute", RECOMPUTE, ()), ("moe_rows", MOE_ROWS, ()),
                                   ("router_matmul", ROUTER_MATMUL, ()),
                                   ("policy_loss", POLICY_LOSS, ("unfused",))):
-            valid = ("auto", *reg.names(), *extra)
-            if getattr(self, field) not in valid:
-                raise ConfigError(f"impl.{field}", f"unknown implementation "
-                                  f"{getattr(self, field)!r}; valid: {', '.join(valid)}")
+            reg.check_name(getattr(self, field), f"impl.{field}", extra)
         from longmoe.ops.attention import SDPA_NAMES
         if self.attention not in ("auto", *SDPA_NAMES):
             raise ConfigError("impl.attention", f"unknown implementation {self.attention!r}; "
@@ -230,19 +227,42 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
+    """The policy objective's settings (longmoe/rl/objective.py and docs/rl_objective.md)."""
     type: str = "grpo"              # grpo (PPO clipped surrogate) | sft
     clip_low: float = 0.2
     clip_high: float = 0.28         # asymmetric upper clip ("clip-higher")
     entropy_coef: float = 0.0
+    # KL to the reference policy as a loss term (needs ref_logprobs in the data); 0 off.
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"        # k1 | k2 | k3
+    # Truncated importance sampling: the policy-gradient term times min(exp(old - rollout),
+    # tis_cap), correcting the rollout engine's log-probs against the trainer's (needs
+    # rollout_logprobs in the data); 0 off.
+    tis_cap: float = 0.0
+    dual_clip_c: float = 0.0        # dual-clip PPO: loss <= -c*A where A < 0 (e.g. 3); 0 off
+    # token-mean (every trained token of the global batch alike) | seq-mean-token-mean |
+    # seq-mean-token-sum (per sample mean / sum over its tokens, then mean over the samples)
+    loss_agg_mode: str = "token-mean"
 
     def __post_init__(self):
+        from longmoe.rl.objective import check_fields
         if self.type not in ("grpo", "sft"):
             raise ConfigError("loss.type", f"must be grpo or sft, got {self.type!r}")
-        _finite("loss.clip_low", self.clip_low, 0.0)
-        if self.clip_low >= 1:
-            raise ConfigError("loss.clip_low", f"must be < 1, got {self.clip_low}")
-        _finite("loss.clip_high", self.clip_high, 0.0)
-        _finite("loss.entropy_coef", self.entropy_coef)
+        check_fields(self, "loss.")
+        if self.type == "sft":
+            for f in ("kl_coef", "tis_cap", "dual_clip_c"):
+                if getattr(self, f):
+                    raise ConfigError(f"loss.{f}", "applies to loss.type=grpo only (set it to 0)")
+
+    def objective(self):
+        """The rl Objective these settings describe (for sft: its entropy bonus and
+        aggregation)."""
+        from longmoe.rl.objective import Objective
+        return Objective(**{f.name: getattr(self, f.name) for f in fields(Objective)})
+
+    def required_logprobs(self) -> dict[str, str]:
+        """Per-token data fields the loss needs (field -> why), checked when data loads."""
+        return {k: f"loss.{v}" for k, v in self.objective().required_logprobs().items()}
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,15 @@ synthetic  GRPO groups on a learnable task: each response follows a hidden Marko
            policy learns the rule.
 jsonl      one object per line: {"prompt": [ids], "response": [ids], "advantage": float or
            [per response token], "old_logprobs": [per response token] (optional; missing means
-           on-policy), "loss_mask": [0/1 per response token] (optional)}.
+           on-policy), "ref_logprobs" and "rollout_logprobs": [per response token] (optional;
+           required when loss.kl_coef / loss.tis_cap use them), "loss_mask": [0/1 per
+           response token] (optional)}.
 
 A batch holds tensors [B, S]: input_ids, labels (next token; -100 where not trained), advantages,
-old_logprobs (NaN where the rollout gave none: the trainer then uses the current policy's), and
-counts of its samples with no trained token and of those data.overlong truncated.
+old_logprobs (NaN where the rollout gave none: the trainer then uses the current policy's),
+ref_logprobs and rollout_logprobs (NaN where not given), sample_tokens (per token, the trained
+tokens of its whole sample, for the per-sample loss aggregation modes; one sample per row here),
+and counts of its samples with no trained token and of those data.overlong truncated.
 
 data.batch_size is the global batch: data rank r of W trains sequences [r*B/W, (r+1)*B/W) of the
 step's B, whatever W is (sources key data by global sequence index).
@@ -31,8 +35,9 @@ import torch
 
 from longmoe.data.order import step_indices
 from longmoe.data.rule import rule_walk
-from longmoe.data.validate import fit, parse_sample, trained_tokens
+from longmoe.data.validate import LOGPROB_FIELDS, fit, parse_sample, trained_tokens
 from longmoe.errors import UserError
+from longmoe.rl.objective import sample_token_counts
 from longmoe.train.config import DataConfig
 
 IGNORE = -100
@@ -46,10 +51,34 @@ class Batch:
     old_logprobs: torch.Tensor
     masked: int = 0       # samples with no trained token (all-zero loss mask)
     truncated: int = 0    # samples whose response data.overlong=truncate cut
+    ref_logprobs: torch.Tensor | None = None      # None: not given (all NaN)
+    rollout_logprobs: torch.Tensor | None = None
+    # None: one sample per row. Set before any split of a row (context parallel keeps it).
+    sample_tokens: torch.Tensor | None = None
+
+    TOKEN_FIELDS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs",
+                    "rollout_logprobs", "sample_tokens")
+
+    def __post_init__(self):
+        for f in ("ref_logprobs", "rollout_logprobs"):
+            if getattr(self, f) is None:
+                setattr(self, f, torch.full_like(self.advantages, float("nan")))
+        if self.sample_tokens is None:
+            rows = torch.arange(self.labels.shape[0], device=self.labels.device)
+            self.sample_tokens = sample_token_counts(self.labels != IGNORE,
+                                                     rows[:, None].expand_as(self.labels))
+
+    def tokens(self) -> dict:
+        """The per-token [B, S] tensors by field name."""
+        return {f: getattr(self, f) for f in self.TOKEN_FIELDS}
+
+    def with_tokens(self, fn) -> "Batch":
+        """The same samples with `fn` applied to every per-token tensor."""
+        return Batch(**{f: fn(t) for f, t in self.tokens().items()}, masked=self.masked,
+                     truncated=self.truncated)
 
     def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.labels, self.advantages,
-                                                 self.old_logprobs)), self.masked, self.truncated)
+        return self.with_tokens(lambda t: t.to(device))
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +86,9 @@ class Batch:
 
     @staticmethod
     def cat(batches: list["Batch"]) -> "Batch":
-        return Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in
-                       ("input_ids", "labels", "advantages", "old_logprobs")),
-                     sum(b.masked for b in batches), sum(b.truncated for b in batches))
+        return Batch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in Batch.TOKEN_FIELDS},
+                     masked=sum(b.masked for b in batches),
+                     truncated=sum(b.truncated for b in batches))
 
 
 def _pack(samples: list[dict], seq_len: int, truncated: int = 0) -> Batch:
@@ -68,7 +97,7 @@ def _pack(samples: list[dict], seq_len: int, truncated: int = 0) -> Batch:
     ids = torch.zeros(B, seq_len, dtype=torch.long)
     labels = torch.full((B, seq_len), IGNORE, dtype=torch.long)
     adv = torch.zeros(B, seq_len)
-    old = torch.full((B, seq_len), float("nan"))
+    logps = {k: torch.full((B, seq_len), float("nan")) for k in LOGPROB_FIELDS}
     for b, s in enumerate(samples):
         if len(s["prompt"]) + len(s["response"]) > seq_len + 1:
             raise ValueError(f"sample {b} has {len(s['prompt']) + len(s['response'])} tokens, "
@@ -87,10 +116,12 @@ def _pack(samples: list[dict], seq_len: int, truncated: int = 0) -> Batch:
         labels[b, t] = r[j]
         a = s["advantage"]
         adv[b, t] = torch.as_tensor(a, dtype=torch.float32)[j] if isinstance(a, list) else float(a)
-        if s.get("old_logprobs") is not None:
-            old[b, t] = torch.as_tensor(s["old_logprobs"], dtype=torch.float32)[j]
+        for k in LOGPROB_FIELDS:
+            if s.get(k) is not None:
+                logps[k][b, t] = torch.as_tensor(s[k], dtype=torch.float32)[j]
     masked = int(((labels != IGNORE).sum(1) == 0).sum())
-    return Batch(ids, labels, adv, old, masked, truncated)
+    return Batch(ids, labels, adv, logps["old_logprobs"], masked, truncated,
+                 logps["ref_logprobs"], logps["rollout_logprobs"])
 
 
 class SyntheticSource:
@@ -124,8 +155,12 @@ class SyntheticSource:
         rg = follow.float().mean(1).view(-1, G)
         adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, unbiased=False, keepdim=True) + 1e-4))
         lo = first - g0 * G
+        # The rollout engine, the trainer's rollout-time policy and the reference policy are
+        # all the uniform initial policy.
+        uniform = [-math.log(V)] * R
         samples = [{"prompt": prompts[i].tolist(), "response": resp[i].tolist(),
-                    "advantage": float(adv.view(-1)[i]), "old_logprobs": [-math.log(V)] * R}
+                    "advantage": float(adv.view(-1)[i]), "old_logprobs": uniform,
+                    "ref_logprobs": uniform, "rollout_logprobs": uniform}
                    for i in range(lo, lo + n)]
         return _pack(samples, cfg.seq_len)
 
@@ -161,9 +196,10 @@ class JsonlData:
 
 
 def read_jsonl(path: str | Path, vocab_size: int, seq_len: int,
-               overlong: str = "error") -> JsonlData:
+               overlong: str = "error", require: dict[str, str] | None = None) -> JsonlData:
     """Load and check every row (errors name the file, line and field), then fit each into
-    seq_len under the data.overlong policy."""
+    seq_len under the data.overlong policy. `require`: log-prob fields the loss needs
+    (LossConfig.required_logprobs), missing from a row is an error."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data.path: {path} does not exist")
@@ -173,7 +209,8 @@ def read_jsonl(path: str | Path, vocab_size: int, seq_len: int,
             if not line.strip():
                 continue
             where = f"{path}:{ln}"
-            row, status = fit(parse_sample(line, where, vocab_size), seq_len, overlong, where)
+            row, status = fit(parse_sample(line, where, vocab_size, require), seq_len, overlong,
+                              where)
             if row is None:
                 data.dropped.append(ln)
                 continue
@@ -190,21 +227,24 @@ def read_jsonl(path: str | Path, vocab_size: int, seq_len: int,
 
 class JsonlSource:
     def __init__(self, cfg: DataConfig, vocab_size: int, data: JsonlData | None = None,
-                 seed: int = 0):
+                 require: dict[str, str] | None = None, seed: int = 0):
         self.cfg, self.seed = cfg, seed
-        self.data = data or read_jsonl(cfg.path, vocab_size, cfg.seq_len, cfg.overlong)
+        self.data = data or read_jsonl(cfg.path, vocab_size, cfg.seq_len, cfg.overlong, require)
 
     def batch(self, step: int, rank: int, world: int) -> Batch:
         """Rows in file order, wrapping around (data.shuffle: each epoch in its own permutation,
         longmoe.data.order): step s trains positions [s*B, (s+1)*B) of that sequence, data rank
         r its slice of them."""
         B, n, rows = self.cfg.batch_size, self.cfg.per_rank(world), self.data.rows
-        picked = step_indices(step, B, len(rows), self.seed, self.cfg.shuffle)[rank * n:(rank + 1) * n]
+        order = step_indices(step, B, len(rows), self.seed, self.cfg.shuffle)
+        picked = order[rank * n:(rank + 1) * n]
         return _pack([rows[i] for i in picked], self.cfg.seq_len,
                      truncated=sum(self.data.truncated[i] for i in picked))
 
 
-def make_source(cfg: DataConfig, vocab_size: int, seed: int):
+def make_source(cfg: DataConfig, vocab_size: int, seed: int,
+                require: dict[str, str] | None = None):
+    """`require`: the log-prob fields the loss needs (the synthetic source has them all)."""
     if cfg.source == "jsonl":
-        return JsonlSource(cfg, vocab_size, seed=seed)
+        return JsonlSource(cfg, vocab_size, require=require, seed=seed)
     return SyntheticSource(cfg, vocab_size, seed)

@@ -64,6 +64,18 @@ class StepData:
     def trained_tokens(self) -> int:
         return sum(int((m.batch.labels != IGNORE).sum()) for m in self.micro)
 
+    @property
+    def trained_samples(self) -> int:
+        """Its samples with at least one trained token (the seq-mean aggregation's count)."""
+        n = 0
+        for m in self.micro:
+            trained = m.batch.labels != IGNORE
+            if hasattr(m.batch, "sample_ids"):
+                n += m.batch.sample_ids[trained].unique().numel()
+            else:   # one sample per row
+                n += int(trained.any(1).sum())
+        return n
+
 
 def mode(run: RunConfig) -> str:
     d = run.data
@@ -96,7 +108,8 @@ def open_data_source(run: RunConfig):
     if d.source == "synthetic":
         resp = d.response_len if d.response_len is not None else d.seq_len - d.prompt_len
         return RuleSource(V, run.train.seed, d.prompt_len, resp, d.group_size, d.num_samples)
-    check = lambda row, where: check_sample(row, where, V)  # noqa: E731
+    need = run.loss.required_logprobs()
+    check = lambda row, where: check_sample(row, where, V, need)  # noqa: E731
     return (JsonlSource if d.source == "jsonl" else ParquetSource)(d.path, check)
 
 
@@ -135,7 +148,8 @@ class Feed:
         self.mode = mode(run)
         d = run.data
         if self.mode == "legacy":
-            self.legacy = make_source(d, run.model.vocab_size, run.train.seed)
+            self.legacy = make_source(d, run.model.vocab_size, run.train.seed,
+                                      require=run.loss.required_logprobs())
             self.source = None
         else:
             self.source = open_data_source(run)

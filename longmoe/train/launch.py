@@ -63,7 +63,8 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
                         f"{run.model.max_seq_len}")
     if mode(run) == "legacy":
         if run.data.source == "jsonl":
-            read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong)
+            read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong,
+                       require=run.loss.required_logprobs())
     else:
         source = check_data(run)
         longest = source.longest()[1]

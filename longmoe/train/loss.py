@@ -1,47 +1,34 @@
-"""Policy-update losses on per-token log-probs. Every loss is a *sum over this rank's tokens
-divided by the global token count*, so summing gradients across ranks (see
-train/setup.finish_grads) gives exactly the gradient of the global-batch token mean.
+"""The unfused policy-update loss: per-token log-probs (and entropy) with autograd from the LM
+head, then the objective's per-token loss (longmoe/rl/objective.py) summed with the batch's
+aggregation weights. The weights' normalisers are global (every rank, every micro-batch), so
+summing gradients across ranks (see train/setup.finish_grads) gives exactly the gradient of the
+global-batch loss.
 """
 
 from __future__ import annotations
 
 import torch
 
-from longmoe.ops.linear_ce_fused import clipped_surrogate
+from longmoe.rl.objective import TokenInputs
 from longmoe.train.config import LossConfig
 
 
-def policy_loss(cfg: LossConfig, logprobs, entropy, labels, advantages, old_logprobs,
-                global_tokens: int):
-    """Returns (loss, stats). GRPO/PPO clipped surrogate:
-    -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A), r = exp(logp - logp_old);
-    tokens whose rollout log-prob is NaN (not supplied) are on-policy: logp_old = logp.detach()."""
+def policy_loss(cfg: LossConfig, logprobs, entropy, labels, inputs: TokenInputs):
+    """(loss, stats): for grpo the objective's loss sum_t w_t loss_t and its statistics; for
+    sft -sum_t w_t logp_t (minus the entropy bonus). `inputs` are shaped like `labels`."""
     mask = labels != -100
-    n = max(int(global_tokens), 1)
-    stats = {}
-    if cfg.type == "sft":
-        loss = -(logprobs * mask).sum() / n
-    else:
-        ratio, s1, s2 = clipped_surrogate(logprobs, old_logprobs, advantages, mask,
-                                          cfg.clip_low, cfg.clip_high)
-        loss = -(torch.minimum(s1, s2) * mask).sum() / n
-        with torch.no_grad():
-            stats["clip_frac"] = ((s2 < s1) & mask).sum()
-            stats["ratio_sum"] = (ratio * mask).sum()
+    objective = cfg.objective()
+    inputs.check(labels.shape, objective)
+    if cfg.type == "grpo":
+        loss = objective.token_loss(logprobs, entropy, inputs, mask).sum()
+        return loss, objective.stats(logprobs, entropy, inputs, mask)
+    w = torch.where(mask, inputs.weights.to(logprobs.dtype), 0.0)
+    loss = -(w * logprobs).sum()
+    stats = {"logprob_sum": torch.where(mask, logprobs.detach(), 0.0).sum()}
     if entropy is not None:
-        ent = (entropy * mask).sum() / n
-        stats["entropy"] = ent.detach() * n
+        stats["entropy"] = torch.where(mask, entropy.detach(), 0.0).sum()
         if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ent
-    stats["logprob_sum"] = (logprobs.detach() * mask).sum()
+            loss = loss - cfg.entropy_coef * (w * entropy).sum()
+    elif cfg.entropy_coef:
+        raise ValueError(f"loss.entropy_coef={cfg.entropy_coef:g} needs the per-token entropy")
     return loss, stats
-
-
-@torch.no_grad()
-def policy_stats(cfg: LossConfig, logprobs, entropy, batch) -> dict:
-    """The logging sums policy_loss reports, from (detached) fused-path log-probs."""
-    mask = batch.labels != -100
-    ratio, s1, s2 = clipped_surrogate(logprobs, batch.old_logprobs, batch.advantages, mask,
-                                      cfg.clip_low, cfg.clip_high)
-    return {"clip_frac": ((s2 < s1) & mask).sum(), "ratio_sum": (ratio * mask).sum(),
-            "entropy": (entropy * mask).sum(), "logprob_sum": (logprobs * mask).sum()}

@@ -4,21 +4,17 @@ one micro-batch (forward_backward), and a step of several accumulated into one g
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 
 from longmoe.parallel.context_parallel import local_packing, split_sequence, zigzag_positions
 from longmoe.parallel.mesh import Layout
+from longmoe.rl.objective import (FusedLoss, Objective, TokenInputs, counts_to_int,
+                                  local_counts, sample_token_counts)
 from longmoe.train.config import RunConfig
 from longmoe.train.data import Batch
-from longmoe.train.loss import policy_loss, policy_stats
+from longmoe.train.loss import policy_loss
 from longmoe.train.setup import finish_grads, loss_scale, set_cp_row_length
-
-# Per-token fields of a packed micro-batch, sliced alike for context parallelism.
-_PACKED_TOKENS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs",
-                  "rollout_logprobs", "sample_ids", "positions")
 
 
 def global_token_count(batch: Batch, layout: Layout) -> int:
@@ -28,13 +24,23 @@ def global_token_count(batch: Batch, layout: Layout) -> int:
     return int(n)
 
 
-def step_token_count(local_whole_rows: int, layout: Layout, device) -> int:
-    """N, the step's trained tokens over all ranks and micro-batches, from each rank's count
-    over its whole rows (each sample sits on all cp ranks of its group)."""
-    n = torch.tensor(float(local_whole_rows), dtype=torch.float64, device=device)
+def global_counts(batch: Batch, layout: Layout) -> tuple[int, int]:
+    """(trained tokens, samples with a trained token) of the global batch: one all-reduce.
+    `batch` may hold a context-parallel share of its samples (sample_tokens counts whole ones)."""
+    n = local_counts(batch.labels != -100, batch.sample_tokens)
     if layout.world > 1:
         dist.all_reduce(n, group=layout.batch_group)
-    return round(float(n) / layout.cp)
+    return counts_to_int(n)
+
+
+def step_counts(tokens: int, samples: int, layout: Layout, device) -> tuple[int, int]:
+    """(N tokens, samples) trained by the whole step over all ranks and micro-batches, from each
+    rank's counts over its whole rows (each sample sits on all cp ranks of its group): one
+    all-reduce."""
+    n = torch.tensor([float(tokens), float(samples)], dtype=torch.float64, device=device)
+    if layout.world > 1:
+        dist.all_reduce(n, group=layout.batch_group)
+    return counts_to_int(n / layout.cp)
 
 
 def local_batch(batch: Batch, layout: Layout):
@@ -44,65 +50,89 @@ def local_batch(batch: Batch, layout: Layout):
         return batch, None
     pos = zigzag_positions(batch.input_ids.shape[1], layout.cp, layout.cp_rank,
                            batch.input_ids.device)
-    return Batch(*(split_sequence(t, pos) for t in (batch.input_ids, batch.labels,
-                                                    batch.advantages, batch.old_logprobs)),
-                 batch.masked, batch.truncated), pos  # counts of whole samples, as on every CP rank
+    # masked/truncated count whole samples, as on every CP rank; sample_tokens too.
+    return batch.with_tokens(lambda t: split_sequence(t, pos)), pos
+
+
+def packed_to_batch(pb) -> Batch:
+    """A longmoe.data.packing.PackedBatch as the trainer's Batch of whole rows: sample_tokens
+    from its sample ids, before any split of a row."""
+    mask = pb.labels != -100
+    return Batch(pb.input_ids, pb.labels, pb.advantages, pb.old_logprobs,
+                 ref_logprobs=pb.ref_logprobs, rollout_logprobs=pb.rollout_logprobs,
+                 sample_tokens=sample_token_counts(mask, pb.sample_ids))
 
 
 def local_micro_batch(batch, packed: bool, layout: Layout, device):
     """(this rank's tokens, positions, PackedRows or None) of one micro-batch of whole rows on
     the host: a longmoe.train.data.Batch, or a longmoe.data.packing.PackedBatch whose rows hold
     several samples (`packed`) or one each."""
-    batch = batch.to(device)
     if isinstance(batch, Batch):
-        return (*local_batch(batch, layout), None)
+        return (*local_batch(batch.to(device), layout), None)
+    whole = packed_to_batch(batch.to(device))
     packing = None
     if packed:
         from longmoe.model.packing import PackedRows
-        packing = local_packing(PackedRows(batch.sample_ids, batch.positions), layout.cp,
-                                layout.cp_rank)
-    if layout.cp == 1:
-        return batch, None, packing
-    pos = zigzag_positions(batch.input_ids.shape[1], layout.cp, layout.cp_rank, device)
-    local = replace(batch, **{f: split_sequence(getattr(batch, f), pos) for f in _PACKED_TOKENS})
+        packing = local_packing(PackedRows(batch.sample_ids.to(device),
+                                           batch.positions.to(device)),
+                                layout.cp, layout.cp_rank)
+    local, pos = local_batch(whole, layout)
     return local, (None if packed else pos), packing
 
 
+def token_inputs(batch: Batch, objective: Objective, global_tokens: int,
+                 global_samples: int | None = None) -> TokenInputs:
+    """The objective's per-token inputs for `batch`: its aggregation weights from the global
+    counts, and only the log-probs the objective reads."""
+    weights = objective.token_weights(batch.labels != -100, global_tokens, global_samples,
+                                      batch.sample_tokens)
+    used = objective.required_logprobs()
+    return TokenInputs(batch.advantages, weights, batch.old_logprobs,
+                       batch.ref_logprobs if "ref_logprobs" in used else None,
+                       batch.rollout_logprobs if "rollout_logprobs" in used else None)
+
+
 def forward_backward(model, batch: Batch, run: RunConfig, layout: Layout, global_tokens: int,
-                     positions=None, packing=None, finish: bool = True, aux_scale: float = 1.0):
-    """Loss of this rank's share (its token sum over the global count) plus the MoE aux loss
-    (times `aux_scale`); after it returns with `finish`, every gradient holds the global-batch
-    gradient (sharded or replicated). `batch` holds this rank's tokens (see local_batch) at
-    `positions` (None: 0..S-1), or packed rows described by `packing` (PackedRows, this rank's
-    share). Without `finish` gradients only accumulate (a micro-batch before the step's last)."""
+                     positions=None, global_samples: int | None = None, packing=None,
+                     finish: bool = True, aux_scale: float = 1.0):
+    """Loss of this rank's share (sum_t w_t loss_t, its weights normalised by the global
+    counts) plus the MoE aux loss (times `aux_scale`); after it returns with `finish`, every
+    gradient holds the global-batch gradient (sharded or replicated). `batch` holds this rank's
+    tokens (see local_batch) at `positions` (None: 0..S-1), or packed rows described by
+    `packing` (PackedRows, this rank's share). `global_samples` (the samples of the whole step,
+    for the seq-mean aggregation modes) is counted here when None: pass it when the step's batch
+    is split into several calls (micro-batches), like global_tokens. Without `finish` gradients
+    only accumulate (a micro-batch before the step's last)."""
+    objective = run.loss.objective()
+    if objective.loss_agg_mode != "token-mean" and global_samples is None:
+        _, global_samples = global_counts(batch, layout)
+    inputs = token_inputs(batch, objective, global_tokens, global_samples)
+    mask = batch.labels != -100
     if run.loss.type == "grpo" and run.impl.policy_loss != "unfused":
-        fused = dict(advantages=batch.advantages, old_logprobs=batch.old_logprobs,
-                     clip_low=run.loss.clip_low, clip_high=run.loss.clip_high,
-                     entropy_coef=run.loss.entropy_coef, normalizer=float(max(global_tokens, 1)),
-                     impl=run.impl.policy_loss)
+        fused = FusedLoss(objective, inputs, run.impl.policy_loss)
         logprobs, entropy, aux, loss = model(batch.input_ids, batch.labels, positions, policy=fused,
                                              packing=packing)
-        stats = policy_stats(run.loss, logprobs, entropy, batch)
+        stats = objective.stats(logprobs, entropy, inputs, mask)
     else:
         logprobs, entropy, aux, _ = model(batch.input_ids, batch.labels, positions,
                                           with_entropy=True, packing=packing)
-        loss, stats = policy_loss(run.loss, logprobs, entropy, batch.labels, batch.advantages,
-                                  batch.old_logprobs, global_tokens)
+        loss, stats = policy_loss(run.loss, logprobs, entropy, batch.labels, inputs)
     ((loss + aux * aux_scale) * loss_scale(layout)).backward()
     if finish:
         finish_grads(model, layout, run.parallel.fsdp)
     return loss.detach(), aux.detach(), stats
 
 
-def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int, device):
+def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int, device,
+               global_samples: int | None = None):
     """One step over this rank's micro-batches (longmoe.train.feed.Micro; every rank runs the
-    same number, collectives inside): each one's loss is its token sum over the step's global
-    count N, so the accumulated gradient is the one-big-batch gradient. The MoE aux loss is the
-    mean over micro-batches of each one's (its balance is measured per micro-batch). FSDP
-    reduces once, in the last backward (parallel.grad_sync=step; micro_batch, or a single rank:
-    after every backward, into accumulating shards); replicated gradients sync once, after it;
-    the routers' load becomes the whole step's. Returns (loss, aux loss, logging sums) of this
-    rank."""
+    same number, collectives inside): each one's loss weights come from the step's global counts
+    (N tokens, and samples for the seq-mean modes), so the accumulated gradient is the
+    one-big-batch gradient. The MoE aux loss is the mean over micro-batches of each one's (its
+    balance is measured per micro-batch). FSDP reduces once, in the last backward
+    (parallel.grad_sync=step; micro_batch, or a single rank: after every backward, into
+    accumulating shards); replicated gradients sync once, after it; the routers' load becomes
+    the whole step's. Returns (loss, aux loss, logging sums) of this rank."""
     from torch.distributed.fsdp import FSDPModule
     M = len(micro)
     sync = (isinstance(model, FSDPModule) and M > 1 and layout.world > 1
@@ -120,7 +150,8 @@ def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int,
             if layout.cp > 1:
                 set_cp_row_length(model, layout, mb.row_len)
             loss, aux, st = forward_backward(model, batch, run, layout, global_tokens, positions,
-                                             packing, finish=last, aux_scale=1.0 / M)
+                                             global_samples, packing, finish=last,
+                                             aux_scale=1.0 / M)
             for acc, m in zip(load, moes):
                 acc += m.router.last_load
             loss_sum = loss if loss_sum is None else loss_sum + loss

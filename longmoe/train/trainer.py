@@ -33,7 +33,7 @@ from longmoe.train.progress import Progress
 from longmoe.train.precision import MasterWeights
 from longmoe.train.impl_check import check_on_rank
 from longmoe.train.setup import all_finite, build_model, clip_grad_norm, torch_dtype
-from longmoe.train.step import accumulate, step_token_count
+from longmoe.train.step import accumulate, step_counts
 from longmoe.train.supervise import TrainingStopped
 
 
@@ -150,14 +150,16 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     bad_in_a_row = first_bad = 0
     for step in range(start, run.train.steps):
         data = feed.step(step)
-        global_tokens = step_token_count(data.trained_tokens, layout, device)
+        global_tokens, global_samples = step_counts(data.trained_tokens, data.trained_samples,
+                                                    layout, device)
         backend.synchronize()
         backend.reset_peak_memory()
         prof = (step_profiler(backend) if opts.profile_dir
                 and step == min(start + 2, run.train.steps - 1) else None)
         t0 = time.perf_counter()
         with prof or contextlib.nullcontext():
-            loss, aux, stats = accumulate(model, data.micro, run, layout, global_tokens, device)
+            loss, aux, stats = accumulate(model, data.micro, run, layout, global_tokens, device,
+                                          global_samples)
             if master:
                 master.grads_to_master()
             gnorm, finite = clip_grad_norm(model, o.grad_clip, layout,

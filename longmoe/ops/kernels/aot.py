@@ -3,16 +3,14 @@ Triton's `GPUTarget` (no GPU needed) and its registers/VGPRs, shared memory/LDS 
 read from the compiled kernel by the target's backend.
 
 A config that does not compile, spills, or exceeds the target's budget is a failure: the CPU test
-suite and `longmoe kernels compile` run this. The targets, their budgets and how to read a
+suite and `longmoe kernels compile` (aot_cli.py) run this. The targets, their budgets and how to read a
 compiled kernel's resources come from longmoe.backends (each vendor registers its own).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
 from longmoe.backends.aot import compile_targets
 
@@ -122,30 +120,33 @@ def _configs_for(table: dict, key: str, target: str) -> list[tuple[str, dict]]:
     return out
 
 
-def compile_all(target: str, table: dict | None = None, only: str | None = None) -> list[CompileReport]:
+def compile_all(target: str, table: dict | None = None, only: str | None = None,
+                progress: Callable[[int, int, CompileReport], None] | None = None
+                ) -> list[CompileReport]:
     """Compile every config of the target vendor's shipped table (or of `table`); `only` keeps
-    the kernel variants whose name starts with it."""
+    the kernel variants whose name starts with it. `progress(done, total, report)` is called
+    after each compile."""
     from triton.backends.compiler import GPUTarget
-    import longmoe.backends as lb
     from longmoe.backends.kernels import load_kernel_table
     t = compile_targets()[target]
     if table is None:
-        table = load_kernel_table(Path(lb.__file__).parent / t.vendor / "kernels.json")
+        table = load_kernel_table(t.kernel_table)
     gpu = GPUTarget(t.triton_backend, t.arch, t.warp_size)
-    reports = []
+    jobs = []
     for key, name, fn, sig, constexprs, warps_key in _kernel_specs():
         if only and not name.startswith(only):
             continue
         for where, cfg in _configs_for(table, key, target):
-            warps = cfg[warps_key] if warps_key in cfg else cfg["num_warps"]
-            opts = {"num_warps": warps, **{k: cfg[k] for k in t.launch_keys if k in cfg}}
-            if "num_stages" in cfg:
-                opts["num_stages"] = cfg["num_stages"]
             for aligned in (False, True):
-                rep = CompileReport(key, name + ("@aligned" if aligned else ""), target,
-                                    {"where": where, **cfg}, ok=False)
-                reports.append(compile_and_check(rep, t, gpu, fn, sig, constexprs(cfg), opts,
-                                                 _aligned_attrs(sig) if aligned else None))
+                jobs.append((key, name + ("@aligned" if aligned else ""), fn, sig,
+                             constexprs(cfg), t.launch_options(cfg, warps_key),
+                             _aligned_attrs(sig) if aligned else None, {"where": where, **cfg}))
+    reports = []
+    for key, variant, fn, sig, consts, opts, attrs, cfg in jobs:
+        rep = CompileReport(key, variant, target, cfg, ok=False)
+        reports.append(compile_and_check(rep, t, gpu, fn, sig, consts, opts, attrs))
+        if progress:
+            progress(len(reports), len(jobs), rep)
     return reports
 
 
@@ -180,36 +181,3 @@ def compile_and_check(rep: CompileReport, t, gpu, fn, sig: dict, constexprs: dic
         msg = str(e).strip().splitlines()
         rep.error = f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
     return rep
-
-
-def run_kernels_cli(target: str, as_json: bool = False, fla: bool = False) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-    targets = list(compile_targets()) if target == "all" else [target]
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    if fla:
-        import importlib.util
-        if importlib.util.find_spec("fla") is None:
-            from longmoe.errors import UserError
-            raise UserError("--fla: flash-linear-attention is not installed")
-        from longmoe.ops.kernels.aot_fla import compile_fla
-        reports = [r for t in targets for r in compile_fla(t)]
-        # fla's autotuner picks among these at run time; a spilling config is a finding, the
-        # command fails only when one does not compile at all.
-        failed = [r for r in reports if r.regs is None]
-    else:
-        reports = [r for t in targets for r in compile_all(t)]
-        failed = [r for r in reports if not r.ok]
-    if as_json:
-        print(json.dumps([asdict(r) for r in reports], indent=1))
-    else:
-        table = Table(title="longmoe kernels compile")
-        for col in ("target", "kernel", "config", "regs/VGPRs", "shared/LDS", "spills", "ok"):
-            table.add_column(col)
-        for r in reports:
-            cfg = ", ".join(f"{k}={v}" for k, v in r.config.items())
-            table.add_row(r.target, escape(r.variant), cfg, str(r.regs), str(r.shared), str(r.spills),
-                          "yes" if r.ok else f"NO {r.error}")
-        Console(width=160).print(table)
-    return 0 if reports and not failed else 1

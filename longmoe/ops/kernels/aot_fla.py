@@ -13,6 +13,7 @@ code's outputs are uninitialised memory, which is fine because nothing reads the
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -89,29 +90,35 @@ def _signature(fn, bound: dict):
     return sig, consts
 
 
-def compile_fla(target: str, all_configs: bool = False) -> list[CompileReport]:
-    """Each recorded kernel with its first and last autotune config (all with all_configs)."""
+def compile_fla(target: str, all_configs: bool = False,
+                progress: Callable[[int, int, CompileReport], None] | None = None
+                ) -> list[CompileReport]:
+    """Each recorded kernel with its first and last autotune config (all with all_configs);
+    `progress(done, total, report)` after each compile."""
     from triton.backends.compiler import GPUTarget
     from longmoe.backends.aot import compile_targets
     t = compile_targets()[target]
     gpu = GPUTarget(t.triton_backend, t.arch, t.warp_size)
-    reports = []
+    jobs, reports = [], []
     for fn, bound, cfgs in record_launches():
         picked = list(enumerate(cfgs or [None]))
         if not all_configs and len(picked) > 2:
             picked = [picked[0], picked[-1]]
-        for i, cfg in picked:
-            b = dict(bound)
-            opts = {k: b.pop(k) for k in _TUNED if k in b and b[k] is not None}
-            if cfg is not None:
-                b.update(cfg.kwargs)
-                opts.update({k: getattr(cfg, k) for k in _TUNED
-                             if getattr(cfg, k, None) is not None})
-            opts = {k: v for k, v in opts.items() if k in ("num_warps", "num_stages")}
-            sig, consts = _signature(fn, b)
-            rep = CompileReport("fla", fn.__name__, target,
-                                {"config": i, **{k: v for k, v in consts.items()
-                                                 if isinstance(v, (int, bool)) and k.isupper()},
-                                 **opts}, ok=False)
-            reports.append(compile_and_check(rep, t, gpu, fn, sig, consts, opts))
+        jobs += [(fn, bound, i, cfg) for i, cfg in picked]
+    for fn, bound, i, cfg in jobs:
+        b = dict(bound)
+        opts = {k: b.pop(k) for k in _TUNED if k in b and b[k] is not None}
+        if cfg is not None:
+            b.update(cfg.kwargs)
+            opts.update({k: getattr(cfg, k) for k in _TUNED
+                         if getattr(cfg, k, None) is not None})
+        opts = {k: v for k, v in opts.items() if k in ("num_warps", "num_stages")}
+        sig, consts = _signature(fn, b)
+        rep = CompileReport("fla", fn.__name__, target,
+                            {"config": i, **{k: v for k, v in consts.items()
+                                             if isinstance(v, (int, bool)) and k.isupper()},
+                             **opts}, ok=False)
+        reports.append(compile_and_check(rep, t, gpu, fn, sig, consts, opts))
+        if progress:
+            progress(len(reports), len(jobs), rep)
     return reports

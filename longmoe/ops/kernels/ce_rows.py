@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from longmoe.backends import active_backend
+
 
 @triton.jit
 def ce_row_stats_kernel(z_ptr, stride_z, labels_ptr, lse_ptr, tgt_ptr, ent_ptr, V, ignore_index,
@@ -80,7 +82,7 @@ def launch_stats(z_CV, labels_C, lse_C, tgt_C, ent_C, ignore_index: int, cfg: di
     ce_row_stats_kernel[(C,)](
         z_CV, z_CV.stride(0), labels_C, lse_C, tgt_C, ent_C if with_ent else lse_C, V,
         ignore_index, BLOCK_V=cfg["BLOCK_V"], WITH_ENTROPY=with_ent,
-        num_warps=cfg["num_warps"], **_extra(cfg))
+        **active_backend().launch_options(cfg, "num_warps"))
 
 
 def launch_grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int, cfg: dict,
@@ -92,9 +94,6 @@ def launch_grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_inde
         z_CV, z_CV.stride(0), dz_CV, dz_CV.stride(0), labels_C, lse_C,
         ez_C if with_ent else lse_C, w_lp_C, w_ent_C if with_ent else w_lp_C,
         w_lse_C if with_lse else w_lp_C, V, ignore_index, BLOCK_V=block, WITH_ENTROPY=with_ent,
-        WITH_LSE=with_lse, num_warps=cfg["num_warps_grad"], **_extra(cfg))
+        WITH_LSE=with_lse, **active_backend().launch_options(cfg, "num_warps_grad"))
 
 
-def _extra(cfg: dict) -> dict:
-    """Launch options a vendor's table may carry beyond warps (e.g. waves_per_eu on ROCm)."""
-    return {k: cfg[k] for k in ("waves_per_eu", "matrix_instr_nonkdim", "kpack") if k in cfg}

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longmoe.backends import active_backend
+
 
 @triton.jit
 def grouped_mm_kernel(x_ptr, w_ptr, out_ptr, tile_group_ptr, tile_row_ptr, group_end_ptr,
@@ -92,9 +94,8 @@ def _launch_mm(x_MK, w_GKN, stride_wk, stride_wn, N, sched, cfg):
     return out
 
 
-def _opts(cfg: dict) -> dict:
-    keys = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
-    return {k: cfg[k] for k in keys if k in cfg}
+def _opts(cfg: dict, num_warps_key: str = "num_warps") -> dict:
+    return active_backend().launch_options(cfg, num_warps_key)
 
 
 class GroupedMM(torch.autograd.Function):
@@ -135,7 +136,7 @@ def _launch_dw(x_MK, dy_MN, dw_GKN, sched, cfg):
     grouped_mm_dw_kernel[grid](x_MK, dy_MN, dw_GKN, sched[2], sched[3], K, N, x_MK.stride(0),
                                dy_MN.stride(0), dw_GKN.stride(0), dw_GKN.stride(1),
                                BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-                               BLOCK_K=t["BLOCK_K"], **_opts({**cfg, **t}))
+                               BLOCK_K=t["BLOCK_K"], **_opts(cfg, "num_warps_dw"))
     return dw_GKN
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from longmoe.backends import active_backend
+
 
 @triton.jit
 def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, stride_src, stride_out,
@@ -103,11 +105,6 @@ def swiglu_bwd_kernel(h_ptr, ga_ptr, gh_ptr, a_ptr, dot_ptr, M, F, stride_h, str
         tl.store(dot_ptr + rows, dot, mask=rmask)
 
 
-def _extra(cfg: dict) -> dict:
-    """Launch options a vendor's table may carry beyond warps (e.g. waves_per_eu on ROCm)."""
-    return {k: cfg[k] for k in ("waves_per_eu",) if k in cfg}
-
-
 def launch_gather_sum(src, idx, w, out, K: int, accumulate: bool, cfg: dict):
     T, H = out.shape
     if T == 0:
@@ -116,7 +113,7 @@ def launch_gather_sum(src, idx, w, out, K: int, accumulate: bool, cfg: dict):
     gather_sum_kernel[(T, triton.cdiv(H, block))](
         src, idx, w if w is not None else idx, out, H, src.stride(0), out.stride(0), K=K,
         BLOCK_H=block, WEIGHTED=w is not None, ACCUMULATE=accumulate,
-        num_warps=cfg["num_warps"], **_extra(cfg))
+        **active_backend().launch_options(cfg, "num_warps"))
     return out
 
 
@@ -129,7 +126,7 @@ def launch_gather_scale(src, idx, w, out, y, dot, cfg: dict):
     gather_scale_kernel[(M,)](
         src, idx, w, out, y if with_dot else out, dot if with_dot else w, H, src.stride(0),
         out.stride(0), y.stride(0) if with_dot else 0, BLOCK_H=block, WITH_DOT=with_dot,
-        num_warps=cfg["num_warps_row"], **_extra(cfg))
+        **active_backend().launch_options(cfg, "num_warps_row"))
 
 
 def launch_swiglu(h, a, cfg: dict):
@@ -139,7 +136,7 @@ def launch_swiglu(h, a, cfg: dict):
     bf = min(cfg["BLOCK_F"], triton.next_power_of_2(F))
     swiglu_kernel[(triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(F, bf))](
         h, a, M, F, h.stride(0), a.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_F=bf,
-        num_warps=cfg["num_warps_swiglu"], **_extra(cfg))
+        **active_backend().launch_options(cfg, "num_warps_swiglu"))
 
 
 def launch_swiglu_bwd(h, ga, gh, a, dot, cfg: dict):
@@ -151,4 +148,4 @@ def launch_swiglu_bwd(h, ga, gh, a, dot, cfg: dict):
     swiglu_bwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
         h, ga, gh, a, dot if with_dot else a, M, F, h.stride(0), ga.stride(0), gh.stride(0),
         a.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_F=bf, WITH_DOT=with_dot,
-        num_warps=cfg["num_warps_swiglu"], **_extra(cfg))
+        **active_backend().launch_options(cfg, "num_warps_swiglu"))

@@ -1,0 +1,65 @@
+"""Forward-only per-token log-probs (and entropy) of the labels, for a PPO/GRPO step's old and
+reference log-probs and for checking a rollout engine's numbers after a weight hand-off.
+
+The LM head's linear cross-entropy computes them chunk by chunk, so [tokens, vocab] logits never
+exist. Every rank calls this with its own batch (the MoE's all-to-alls and FSDP's all-gathers run
+inside the model), the same way the training step calls the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longmoe.errors import UserError
+
+
+def _check(model, input_ids, labels, positions, packing):
+    """Host-side checks, before the first collective, so a bad batch stops every rank cleanly
+    instead of leaving its peers waiting in an all-gather."""
+    V = model.cfg.vocab_size
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype.is_floating_point \
+                or t.dtype == torch.bool:
+            raise UserError(f"compute_logprobs: {name} must be an integer tensor [rows, tokens], "
+                            f"got {getattr(t, 'dtype', type(t).__name__)} "
+                            f"{tuple(getattr(t, 'shape', ()))}")
+    if labels.shape != input_ids.shape:
+        raise UserError(f"compute_logprobs: labels {tuple(labels.shape)} and input_ids "
+                        f"{tuple(input_ids.shape)} differ in shape")
+    bad = (input_ids < 0) | (input_ids >= V)
+    if bool(bad.any()):
+        r, s = (int(i) for i in bad.nonzero()[0])
+        raise UserError(f"compute_logprobs: input_ids[{r}, {s}]={int(input_ids[r, s])} is outside "
+                        f"the vocabulary [0, {V})")
+    bad = (labels != -100) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        r, s = (int(i) for i in bad.nonzero()[0])
+        raise UserError(f"compute_logprobs: labels[{r}, {s}]={int(labels[r, s])} is outside "
+                        f"[0, {V}) and is not -100")
+    if positions is not None and tuple(positions.shape) != (input_ids.shape[1],):
+        raise UserError(f"compute_logprobs: positions {tuple(positions.shape)} must be "
+                        f"[{input_ids.shape[1]}] (one per token of a row)")
+    if packing is not None and tuple(packing.shape) != tuple(input_ids.shape):
+        raise UserError(f"compute_logprobs: packing {tuple(packing.shape)} does not match "
+                        f"input_ids {tuple(input_ids.shape)}")
+    if packing is not None and positions is not None:
+        raise UserError("compute_logprobs: packed rows carry their own positions: pass "
+                        "positions=None with packing")
+
+
+def compute_logprobs(model, input_ids, labels, positions=None, packing=None,
+                     with_entropy: bool = False):
+    """(log p(labels) [rows, tokens] fp32, entropy of the full softmax [rows, tokens] fp32 or
+    None), no gradient. Tokens whose label is -100 get 0 in both. `model`: the (FSDP2-sharded,
+    expert-parallel) MoETransformer; `positions` [tokens] (default 0..tokens-1) or `packing`
+    (PackedRows, samples end to end) as for its forward."""
+    inner = getattr(model, "cfg", None)
+    if inner is None:
+        raise UserError("compute_logprobs: model must be a longmoe MoETransformer")
+    _check(model, input_ids, labels, positions, packing)
+    # no_grad rather than inference_mode: FSDP2 keeps the head's unsharded weight across calls,
+    # and a tensor made under inference mode could not be saved by the next training forward.
+    with torch.no_grad():
+        lp, ent, _, _ = model(input_ids, labels, positions, with_entropy=with_entropy,
+                              packing=packing)
+    return lp.float(), (ent.float() if ent is not None else None)
