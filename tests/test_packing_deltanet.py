@@ -60,7 +60,7 @@ def _alone_reference(leaves, w, rows, s0=None):
         sl = slice(a, a + n)
         part = [x.detach()[r:r + 1, sl].double().requires_grad_() for x in leaves]
         init = None if s0 is None or a else s0[r:r + 1].double()
-        out, S = gd.gated_delta_rule(*part, initial_state=init, impl="recurrent")
+        out, S = gd.gated_delta_rule(*part, initial_state=init, impl="reference")
         d = torch.autograd.grad((out * w[r:r + 1, sl]).sum(), part)
         for acc, t in zip([o, *grads], [out, *d]):
             acc[r:r + 1, sl] = t
@@ -88,8 +88,8 @@ def _check(fn, gen, rows=ROWS, with_state=False, tol=F32):
 
 
 CORES = {
-    "recurrent": lambda *a: gd.gated_delta_rule(*a[:5], initial_state=a[5], starts=a[6],
-                                                impl="recurrent"),
+    "reference": lambda *a: gd.gated_delta_rule(*a[:5], initial_state=a[5], starts=a[6],
+                                                impl="reference"),
     "chunked-64": lambda *a: gd._chunked(*a[:5], initial_state=a[5], starts=a[6]),
     "chunked-16": lambda *a: gd._chunked(*a[:5], initial_state=a[5], starts=a[6], chunk=16),
     "chunked-4": lambda *a: gd._chunked(*a[:5], initial_state=a[5], starts=a[6], chunk=4),
@@ -232,7 +232,7 @@ def test_masked_conv_equals_each_sample_alone(gen, halo, traced):
         assert rel_err(a, b) < 1e-12
 
 
-@pytest.mark.parametrize("impl,compiled_path", [("recurrent", False), ("chunked", False),
+@pytest.mark.parametrize("impl,compiled_path", [("reference", False), ("chunked", False),
                                                 ("chunked_compiled", True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_layer_packed_equals_each_sample_alone(gen, impl, compiled_path, dtype):
@@ -313,7 +313,7 @@ def test_gpu_cores_on_packed_rows_match_the_recurrent_reference(impl, tol, with_
         torch.set_float32_matmul_precision(old)
     ref_in = [x.detach().double().requires_grad_() for x in cpu]
     o, S = gd.gated_delta_rule(*ref_in, initial_state=None if s0 is None else s0.double(),
-                               impl="recurrent", starts=starts)
+                               impl="reference", starts=starts)
     want = [o, S, *torch.autograd.grad((o * w.double()).sum(), ref_in)]
     for name, a, b in zip(("o", "S", "dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert rel_err(a, b) < tol, (impl, name)

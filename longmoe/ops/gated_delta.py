@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from longmoe.ops.compiled import compile_unavailable, compiled
-from longmoe.ops.registry import Registry
+from longmoe.ops.registry import Registry, trial_call
 
 GATED_DELTA = Registry("gated_delta", renamed={"recurrent": "reference"})
 
@@ -275,7 +275,7 @@ def _fla_trial(device) -> str | None:
     key = str(device)
     if key not in _FLA_TRIAL:
         try:
-            with torch.enable_grad():
+            with trial_call():
                 t = [torch.randn(1, 64, 1, 16, device=device, requires_grad=True)
                      for _ in range(3)]
                 g = torch.zeros(1, 64, 1, device=device, requires_grad=True)

@@ -8,9 +8,12 @@ by before is rejected with its new name (`renamed`), never mapped silently.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from longmoe.errors import ConfigError
 
@@ -99,3 +102,14 @@ class Registry:
                 return self._impls[name]
             skipped.append(f"{name}: {reason}")
         raise ImplUnavailable(f"{self.primitive}: no impl can run: {'; '.join(skipped)}")
+
+
+@contextlib.contextmanager
+def trial_call():
+    """Scope of a one-time trial call (a fast path checked against its reference on first use).
+    That first use can fall inside a recomputed block's forward: the trial's own autograd would
+    then save tensors through torch.utils.checkpoint's hooks, the recomputation (which finds the
+    verdict cached) would save fewer, and the backward would fail. Innermost identity hooks keep
+    the trial's saved tensors to itself."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        yield
