@@ -107,15 +107,31 @@ def affine_scan_reference(trans, inject, s0):
     return torch.stack(out)
 
 
+class L2Norm(torch.autograd.Function):
+    """x * rsqrt(|x|^2 + eps) over the last dim, as transformers' Qwen3.5 and fla's in-kernel
+    l2norm compute it (not F.normalize's x / max(|x|, eps): the two differ by ~eps/|x|^2, 5e-3 in
+    the logits of a model at init_std 0.02, so the rollout engine's log-probs and ours would
+    disagree). Saves x and the per-row scale only, as F.normalize's graph does."""
+
+    @staticmethod
+    def forward(ctx, x, eps: float = 1e-6):
+        r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r)
+        return x * r
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, r = ctx.saved_tensors
+        y = x * r
+        return r * (dy - y * (dy * y).sum(-1, keepdim=True)), None
+
+
 def _prep(q, k, v, g, beta):
     """fp32 [B, Hv, T, d] layouts, normalised q/k with key heads repeated per value head."""
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv % Hk:
         raise ValueError(f"value heads {Hv} are not a multiple of key heads {Hk}")
-    # x * rsqrt(|x|^2 + eps), as transformers' Qwen3.5 and fla's in-kernel l2norm compute it (not
-    # F.normalize's x / max(|x|, eps)): the two differ by ~eps/|x|^2, 5e-3 in the logits of a
-    # model at init_std 0.02, so the rollout engine's and ours would disagree.
-    q, k = (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q, k = (L2Norm.apply(x.float()) for x in (q, k))
     if Hv != Hk:
         q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
