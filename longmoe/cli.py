@@ -194,14 +194,21 @@ def _cmd_bench_delta(a) -> int:
     return 0
 
 
-def _cmd_bench_path(a) -> int:
-    from longmoe.bench.train_path import run_path, write_report
+def _set_overrides(items) -> dict[str, str]:
+    """A bench's repeated `--set key=value`, checked with train's --set syntax, as {key: value}
+    (passed on to the `longmoe train` runs it starts)."""
     from longmoe.train.config import apply_overrides
     extra = {}
-    for item in a.set or []:
-        apply_overrides({}, [item])  # same syntax check as train's --set
+    for item in items or []:
+        apply_overrides({}, [item])
         k, v = item.split("=", 1)
         extra[k.strip()] = v
+    return extra
+
+
+def _cmd_bench_path(a) -> int:
+    from longmoe.bench.train_path import run_path, write_report
+    extra = _set_overrides(a.set)
     stages = a.stages.split(",") if a.stages else None
     report = run_path(a.config, a.nproc, int_list(a.tokens, "--tokens"), a.steps, extra, stages,
                       a.timeout, a.out, a.profile)
@@ -211,12 +218,7 @@ def _cmd_bench_path(a) -> int:
 
 def _cmd_bench_packing(a) -> int:
     from longmoe.bench.packing import FULL, SMOKE, run_bench, write_report
-    from longmoe.train.config import apply_overrides
-    extra = {}
-    for item in a.set or []:
-        apply_overrides({}, [item])  # same syntax check as train's --set
-        k, v = item.split("=", 1)
-        extra[k.strip()] = v
+    extra = _set_overrides(a.set)
     base = SMOKE if a.smoke else FULL
     kw = {k: (getattr(a, k) if getattr(a, k) is not None else v) for k, v in base.items()
           if k != "extra"}
