@@ -110,8 +110,10 @@ class ImplConfig:
     # about twice their own rounding; fwd+bwd 9-23% faster), "highest" keeps fp32. CPU runs
     # always use fp32.
     fp32_matmul: str = "high"
-    # SDPA backend to prefer for full attention: auto (the order the device backend's
-    # kernels.json lists for its arch, else torch's) | flash | cudnn | efficient | math.
+    # Full attention: auto (packed rows: the fastest document-causal implementation that runs
+    # here; one sample per row: SDPA in the order the device backend's kernels.json lists for its
+    # arch, else torch's) | an SDPA backend: flash | cudnn | efficient | math | a document-causal
+    # implementation, also used for unpacked rows: varlen | flex | reference.
     attention: str = "auto"
 
     def __post_init__(self):
@@ -124,10 +126,10 @@ class ImplConfig:
                                   ("router_matmul", ROUTER_MATMUL, ()),
                                   ("policy_loss", POLICY_LOSS, ("unfused",))):
             reg.check_name(getattr(self, field), f"impl.{field}", extra)
-        from longmoe.ops.attention import SDPA_NAMES
-        if self.attention not in ("auto", *SDPA_NAMES):
+        from longmoe.ops.attention import IMPL_NAMES
+        if self.attention not in IMPL_NAMES:
             raise ConfigError("impl.attention", f"unknown implementation {self.attention!r}; "
-                              f"valid: auto, {', '.join(SDPA_NAMES)}")
+                              f"valid: {', '.join(IMPL_NAMES)}")
         if self.fp32_matmul not in ("high", "highest"):
             raise ConfigError("impl.fp32_matmul", f"must be high or highest, got {self.fp32_matmul!r}")
         if self.ce_chunk_tokens < 0:

@@ -12,6 +12,7 @@ from longmoe.errors import UserError
 def _probes(device: torch.device, dtype: torch.dtype):
     """(field, registry, small arguments of the kinds the step passes) per checkable setting."""
     from longmoe.ops import GROUPED_MM, LINEAR_CE, POLICY_LOSS
+    from longmoe.ops.document_attention import DOCUMENT_ATTENTION, DocumentSpan
     from longmoe.ops.gated_delta import GATED_DELTA
     from longmoe.ops.moe_rows import MOE_ROWS
     from longmoe.ops.router_matmul import ROUTER_MATMUL
@@ -25,7 +26,9 @@ def _probes(device: torch.device, dtype: torch.dtype):
             ("grouped_mm", GROUPED_MM, (t(32, 32), t(2, 32, 32), [16, 16])),
             ("moe_rows", MOE_ROWS, (t(4, 32),)),
             ("router_matmul", ROUTER_MATMUL, (t(4, 32), t(8, 32))),
-            ("gated_delta", GATED_DELTA, (*qkv, t(1, 64, 1), t(1, 64, 1))))
+            ("gated_delta", GATED_DELTA, (*qkv, t(1, 64, 1), t(1, 64, 1))),
+            # the document-causal names of impl.attention (the SDPA backends are torch's)
+            ("attention", DOCUMENT_ATTENTION, (*qkv, DocumentSpan.causal(1, 64, device=device))))
 
 
 def check_named_impls(impl, device: torch.device, dtype: torch.dtype) -> None:
