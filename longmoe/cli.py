@@ -366,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="profile each run's third step into DIR/<stage>-<tokens>/")
     bp.set_defaults(fn=_cmd_bench_path)
     __import__("longmoe.bench.weight_sync", fromlist=["add_parser"]).add_parser(bsub)
+    __import__("longmoe.bench.logprobs", fromlist=["add_parser"]).add_parser(bsub)
 
     bk = bsub.add_parser("packing", help="a GRPO batch of log-normal lengths: packed token-budget "
                                          "micro-batches vs padded rows vs full single-sample rows")

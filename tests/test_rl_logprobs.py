@@ -138,3 +138,18 @@ def test_bad_batches_name_the_field():
         compute_logprobs(m, ids, labels, positions=torch.arange(5))
     with pytest.raises(UserError, match="packing .* does not match"):
         compute_logprobs(m, ids, labels, packing=PackedRows.from_lengths([[4], [4]], 8))
+
+
+def test_logprobs_bench_smoke():
+    """The bench times both modes over the same micro-batches of a packed step, and leaves no
+    gradient behind (its training passes are not a step)."""
+    from longmoe.bench.logprobs import markdown_table, run_bench
+    r = run_bench(None, ["model.preset=tiny-hybrid", "data.seq_len=96", "data.prompt_len=6",
+                         "data.batch_size=4", "data.packing=true",
+                         "data.max_tokens_per_micro_batch=96",
+                         "data.response_len=lognormal:30:80"], 1)
+    assert set(r["modes"]) == {"train", "logprobs", "logprobs+entropy"}
+    assert r["packing"] and r["micro_batches"] >= 1 and r["trained_tokens"] > 0
+    for m in r["modes"].values():
+        assert m["s"] > 0 and m["tokens_per_s"] == pytest.approx(r["trained_tokens"] / m["s"])
+    assert "logprobs+entropy" in markdown_table(r)
