@@ -271,6 +271,34 @@ def _chunked_compiled(q, k, v, g, beta, initial_state=None, chunk: int = 64, sta
                          initial_state, chunk, starts)
 
 
+def _triton_check(q, k, v, g, beta, initial_state=None):
+    from longmoe.ops.kernels import triton_ready
+    why = triton_ready(q.device)
+    if why:
+        return why
+    for name, d in (("dk", q.shape[-1]), ("dv", v.shape[-1])):
+        if d < 16 or d & (d - 1):
+            return f"{name} = {d}: the Triton core needs a power of two >= 16"
+    if any(x.dtype not in (torch.float32, torch.bfloat16, torch.float16) for x in (q, k, v)):
+        return "the Triton core takes fp32, bf16 or fp16 q/k/v"
+    return None
+
+
+@GATED_DELTA.register("chunked_triton", priority=8, check=_triton_check)
+def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None):
+    from longmoe.ops.kernels.gated_delta_chunk import chunked_gated_delta
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} are not a multiple of key heads {Hk}")
+    # the dots run in the inputs' dtype (bf16 in training) with fp32 accumulation; the norms in
+    # fp32, rounded once to that dtype
+    dt = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
+    scale = q.shape[-1] ** -0.5
+    qn = (L2Norm.apply(q.float()) * scale).to(dt)
+    kn = L2Norm.apply(k.float()).to(dt)
+    return chunked_gated_delta(qn, kn, v.to(dt), g, beta, initial_state, starts)
+
+
 _FLA_TRIAL: dict[str, str | None] = {}
 
 
