@@ -402,7 +402,9 @@ def gated_delta_choice(device, impl: str = "auto") -> dict:
             if why is None:
                 break
             skipped[name] = why
-    core = {"fla": "kernel", "chunked_compiled": "compiled"}.get(name, "chunked")
+    # our Triton core saves what fla's does (the inputs; see ops/kernels/gated_delta_chunk.py)
+    core = {"fla": "kernel", "chunked_triton": "kernel", "chunked_compiled": "compiled"}.get(
+        name, "chunked")
     scan = _scan_kernel(torch.zeros(1, 1, 16, 16, device=device))
     return {"asked": impl, "core": name, "skipped": skipped, "recipe_linear_core": core,
             "state_scan": "triton kernel" if scan else "loop of baddbmm steps"}

@@ -49,6 +49,7 @@ class _Shapes:
         self.n = triton.cdiv(self.T, self.C)
         self.BV = min(cfg["BV"], self.DV)           # state passes: columns per program
         self.BVO = min(cfg["BV_OUT"], self.DV)      # chunk-parallel kernels: column blocks
+        self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the two per-chunk backward kernels
         self.dims = dict(DK=self.DK, DV=self.DV, C=self.C)
 
 
@@ -118,13 +119,13 @@ class ChunkedGatedDelta(torch.autograd.Function):
         dkw = torch.empty(B, T, Hv, s.DK, **f32)
         dbeta, dgw = torch.empty(B, T, Hv, **f32), torch.empty(B, T, Hv, **f32)
         _launch(gdn_bwd_wy_kernel, (n, B * Hv), cfg, "num_warps_bwd", k, v, beta, gam, st, tinv,
-                h, dvn, dv, dkw, dbeta, dgw, T, n, s.Hk, Hv, BV=s.BVO,
+                h, dvn, dv, dkw, dbeta, dgw, T, n, s.Hk, Hv, BV=s.BVB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         del tinv
         dq, dk = torch.empty_like(dkw), torch.empty_like(dkw)
         dg = torch.empty(B, T, Hv, **f32)
         _launch(gdn_bwd_qk_kernel, (n, B * Hv), cfg, "num_warps_bwd", q, k, gam, st, h, dh, do,
-                vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVO,
+                vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
             dq, dk = (x.view(B, T, s.Hk, Hv // s.Hk, s.DK).sum(3) for x in (dq, dk))
