@@ -125,3 +125,27 @@ if __name__ == "__main__":  # the interpreted half: one process for every case
     base = int(sys.argv[1])
     print(json.dumps({name: _case(*spec, seed=base + i) for i, (name, spec) in
                       enumerate(CASES.items())}))
+
+
+def test_bench_anchors_on_fla_forward_and_records_what_cannot_run():
+    from longmoe.bench.gated_delta import add_fla_ratios, markdown_table, run_bench
+    rep = run_bench([32], ["chunked", "chunked_triton", "fla_direct"], "tiny-hybrid", warmup=0,
+                    iters=1)
+    rows = {r["variant"]: r for r in rep["results"]}
+    assert rows["chunked"]["status"] == "ok" and rows["chunked"]["fwd_ms"] > 0
+    assert "cannot run here" in rows["chunked_triton"]["status"]     # no interpreter here
+    assert rows["fla_direct"]["status"].startswith("skipped")          # CPU: no fla kernels
+    assert "fwd_vs_fla_fwd" not in rows["chunked"]                     # no anchor, no ratio
+    # with an anchor: each ok row over fla's forward at its own T; a refused backward stays
+    # a reason, not a number
+    fwd, both = random.uniform(1, 5), random.uniform(5, 20)
+    res = [{"variant": "fla_direct", "T": 8, "status": "ok", "fwd_ms": 2.0,
+            "bwd_status": "refused: RuntimeError: x"},
+           {"variant": "chunked_triton", "T": 8, "status": "ok", "fwd_ms": fwd,
+            "fwd_bwd_ms": both, "extra_peak_bytes": 0},
+           {"variant": "chunked", "T": 16, "status": "ok", "fwd_ms": 1.0, "fwd_bwd_ms": 2.0}]
+    add_fla_ratios(res)
+    assert res[1]["fwd_vs_fla_fwd"] == fwd / 2 and res[1]["fwd_bwd_vs_fla_fwd"] == both / 2
+    assert res[0]["fwd_vs_fla_fwd"] == 1 and "fwd_bwd_vs_fla_fwd" not in res[0]
+    assert "fwd_vs_fla_fwd" not in res[2]
+    assert "refused" in markdown_table({"results": res})
