@@ -48,6 +48,8 @@ def _case(B, T, Hk, Hv, dk, dv, dtype, decay, with_h0, with_starts, seed, device
               torch.rand(B, T, Hv, generator=gen, dtype=torch.float64),
               r(B, Hv, dk, dv) if with_h0 else None]
     starts = _starts(B, T, gen) if with_starts else None
+    if starts is not None:  # mild decay on the start tokens: a leaked state would survive them
+        leaves[3] = torch.where(starts[..., None], leaves[3] * 1e-3, leaves[3])
     w_o, w_s = r(B, T, Hv, dv), r(B, Hv, dk, dv)
     leaves, starts, w_o, w_s = ([None if x is None else x.to(device) for x in leaves],
                                 None if starts is None else starts.to(device),

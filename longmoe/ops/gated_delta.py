@@ -22,6 +22,14 @@ Implementations (registry "gated_delta"):
              elementwise chains between the GEMMs. At 64K tokens on an H200, fwd+bwd with TF32
              and the Triton scan takes 68.6 ms against the eager fp32 form's 193
              (`longmoe bench gated-delta`; causal SDPA of Qwen3.5's attention layer: 276 ms).
+  chunked_triton
+             the chunked form as fused Triton kernels of our own, forward and backward
+             (ops/kernels/gated_delta_fwd.py, gated_delta_bwd.py, launched by
+             gated_delta_chunk.py): per chunk the WY solve, w, u and the output on tensor cores
+             in the inputs' dtype with fp32 accumulation; the state in fp32 registers of one
+             sequential pass per (head, value-column block) each way; nothing but the inputs
+             saved (the backward reruns the forward's two cheap launches). GPUs with Triton, or
+             CPU under TRITON_INTERPRET=1; power-of-two dk, dv >= 16. GPU time not yet measured.
   fla        flash-linear-attention's Triton kernel (`fla.ops.gated_delta_rule`) when the package
              is installed and the tensors are on a GPU.
 """

@@ -184,10 +184,12 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
         if only and not name.startswith(only):
             continue
         for where, cfg in _configs_for(table, key, target):
+            generic = _pointer_attrs(sig) if key in _ALIGNED_POINTERS else None
             for aligned in (False, True):
                 jobs.append((key, name + ("@aligned" if aligned else ""), fn, sig,
                              constexprs(cfg), t.launch_options(cfg, warps_key),
-                             _aligned_attrs(sig) if aligned else None, {"where": where, **cfg}))
+                             _aligned_attrs(sig) if aligned else generic,
+                             {"where": where, **cfg}))
     reports = []
     for key, variant, fn, sig, consts, opts, attrs, cfg in jobs:
         rep = CompileReport(key, variant, target, cfg, ok=False)
@@ -200,6 +202,16 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
 # Integer arguments that the layer's real shapes make multiples of 16 (strides and the model's
 # widths), besides every pointer (fresh torch allocations are 16-byte aligned).
 _ALIGNED_INTS = ("K", "N", "H", "F", "D", "V")
+
+
+# Kernels whose launcher hands them 16-byte aligned pointers only (it copies a misaligned view:
+# ops/kernels/gated_delta_chunk.py), so their generic variant has aligned pointers and
+# arbitrary integers (lengths, head counts).
+_ALIGNED_POINTERS = ("gated_delta_chunk",)
+
+
+def _pointer_attrs(sig: dict) -> dict:
+    return {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if sig[k].startswith("*")}
 
 
 def _aligned_attrs(sig: dict) -> dict:

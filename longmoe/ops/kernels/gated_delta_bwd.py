@@ -147,7 +147,7 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
     dq = tl.zeros([C, DK], dtype=tl.float32)
     dke = tl.zeros([C, DK], dtype=tl.float32)
     dP = tl.zeros([C, C], dtype=tl.float32)
-    s_ds = tl.zeros([DK, BV], dtype=tl.float32)
+    s_ds = tl.full([], 0.0, tl.float32)     # sum(S_c * dS_{c+1}): gamma_last's carry term
     for v0 in range(0, DV, BV):
         offs = _state_offs(b, c, n, h, Hv, DK, DV, v0, BV)
         S = tl.load(h_ptr + offs)
@@ -157,7 +157,7 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
         dq += tl.dot(do, tl.trans(S.to(dt)), input_precision=PRECISION)
         dke += tl.dot(vn, tl.trans(dS.to(dt)), input_precision=PRECISION)
         dP += tl.dot(do, tl.trans(vn), input_precision=PRECISION)
-        s_ds += S.to(tl.float32) * dS.to(tl.float32)
+        s_ds += tl.sum(tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1), 0)
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
     dq = dq * (tl.exp(gam) * first.to(tl.float32))[:, None]
@@ -172,7 +172,7 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
     R = tl.sum(kf * dke, 1)
     dgam -= R
     # gamma_last (the chunk's last real token) also scales the carried state
-    g_last_grad = tl.sum(R, 0) + tl.exp(g_last) * carry.to(tl.float32) * tl.sum(tl.sum(s_ds, 1), 0)
+    g_last_grad = tl.sum(R, 0) + tl.exp(g_last) * carry.to(tl.float32) * s_ds
     last_t = tl.minimum(c * C + C - 1, T - 1)
     dgam += tl.where(t == last_t, g_last_grad, 0.0)
     dgam += tl.load(dgw_ptr + tok, mask=ok, other=0.0)

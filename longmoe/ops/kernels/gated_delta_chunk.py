@@ -8,9 +8,10 @@ Saved for backward: q, k, v, g, beta (the inputs), the initial state and the sta
 backward recomputes gamma, Tinv, w, u, the chunk states and v_new with the forward's own kernels
 (one more prep and state pass) rather than keeping ~1 GiB of bf16 chunk states per layer at 64K
 tokens (32 value heads of 128 x 128): the model recomputes every layer anyway, and those two
-launches are the cheap part of the backward. Transient in the backward: the chunk states and
-their gradients (input dtype), Tinv (fp32, C per token and head), w, u, v_new (input dtype),
-dv_new and the per-value-head dq/dk (fp32).
+launches are the cheap part of the backward. Transient in the backward, at 64K tokens and
+C = 64 in bf16: the chunk states and their gradients (1 GiB each), Tinv (fp32, 512 MiB), v_new
+and dv (512 MiB each), dv_new and the per-value-head dq and dk (fp32, 1 GiB each): ~5.5 GiB at
+the peak (the WY-gradient kernel), once per layer under recompute.
 """
 
 from __future__ import annotations
@@ -103,26 +104,27 @@ class ChunkedGatedDelta(torch.autograd.Function):
         s = _Shapes(q, v, cfg)
         B, T, Hv, n = s.B, s.T, s.Hv, s.n
         gam, tinv, w, h, vn, _ = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
-        do = do.contiguous()
+        do, dht = _dense(do), _dense(dht)
         dvi = _intra(q, k, gam, starts, h, do, s, cfg, prec, adjoint=True)   # P^T do
         st = starts if starts is not None else gam
         dh = torch.empty_like(h)
         dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=torch.float32)
         dh0 = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
         _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", q, k, w,
-                gam, st, do, dvi, dht.contiguous() if dht is not None else dh0, dh, dvn, dh0, T,
+                gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
                 n, s.Hk, Hv, BV=s.BV, HAS_STARTS=starts is not None, HAS_DHT=dht is not None,
                 PRECISION=prec, **s.dims)
         del dvi, w
         f32 = dict(device=q.device, dtype=torch.float32)
-        dv = torch.empty(B, T, Hv, s.DV, **f32)
+        dv = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=v.dtype)
         dkw = torch.empty(B, T, Hv, s.DK, **f32)
         dbeta, dgw = torch.empty(B, T, Hv, **f32), torch.empty(B, T, Hv, **f32)
         _launch(gdn_bwd_wy_kernel, (n, B * Hv), cfg, "num_warps_bwd", k, v, beta, gam, st, tinv,
                 h, dvn, dv, dkw, dbeta, dgw, T, n, s.Hk, Hv, BV=s.BVB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
-        del tinv
-        dq, dk = torch.empty_like(dkw), torch.empty_like(dkw)
+        del tinv, dvn
+        # dk lands on its WY part in place: each program reads its rows before writing them
+        dq, dk = torch.empty_like(dkw), dkw
         dg = torch.empty(B, T, Hv, **f32)
         _launch(gdn_bwd_qk_kernel, (n, B * Hv), cfg, "num_warps_bwd", q, k, gam, st, h, dh, do,
                 vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB,
@@ -133,9 +135,18 @@ class ChunkedGatedDelta(torch.autograd.Function):
                 dbeta.to(beta.dtype), dh0 if h0 is not None else None, None)
 
 
+def _dense(x):
+    """x contiguous at a 16-byte aligned address: the kernels are compiled for aligned pointers
+    (vector loads; unaligned, the per-element addresses spill the backward's registers), and
+    a contiguous view into a larger tensor may start anywhere."""
+    if x is None:
+        return None
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def chunked_gated_delta(q, k, v, g, beta, h0=None, starts=None):
     """Forward (and, through autograd, backward) of the chunked core; see ChunkedGatedDelta."""
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    st = None if starts is None else starts.to(torch.uint8).contiguous()
-    h0 = None if h0 is None else h0.float().contiguous()
-    return ChunkedGatedDelta.apply(q, k, v, g.float().contiguous(), beta.contiguous(), h0, st)
+    st = None if starts is None else starts.to(torch.uint8)
+    h0 = None if h0 is None else h0.float()
+    return ChunkedGatedDelta.apply(*map(_dense, (q, k, v, g.float(), beta, h0, st)))
