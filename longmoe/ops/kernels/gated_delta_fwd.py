@@ -2,13 +2,13 @@
 definition; gated_delta_chunk.py launches these and holds the backward's autograd seam).
 
 Legend: B batch, T tokens, Hk/Hv key/value heads (a key head serves Hv/Hk value heads), C chunk
-length, n = ceil(T / C) chunks, DK/DV head dims (powers of two >= 16: compile-time sizes, so no
+length (a multiple of 16), n = ceil(T / C) chunks, DK/DV head dims (powers of two >= 16: compile-time sizes, so no
 feature masks), BV a block of value columns. Token tensors are [B, T, H, D] contiguous; chunk
 states [B, n, Hv, DK, DV].
 
 Per chunk and value head, with gamma the cumulative log decay from the chunk start (fp32; only
 exponentials of differences <= 0 are formed, so g ~ -20 per token never overflows):
-  A = strict-lower beta_i e^(gamma_i - gamma_j) k_i.k_j,   Tinv = (I + A)^-1
+  A = strict-lower beta_i e^(gamma_i - gamma_j) k_i.k_j,   Tinv = (I + A)^-1 (16 x 16 blocks)
   w = Tinv (beta e^gamma k),  u = Tinv (beta v)                      (gdn_prep_kernel)
   v_new = u - w S_c,  S_{c+1} = e^gamma_last S_c + (k e^(gamma_last - gamma))^T v_new
                                                                     (gdn_states_kernel)
@@ -88,18 +88,38 @@ def _decay(gam, seg, C: tl.constexpr, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 of a strictly lower-triangular A by forward substitution in fp32:
-    row i = e_i - sum_{j<i} A_ij row j (rows above i are final when row i is formed)."""
-    rows = tl.arange(0, C)
-    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    inv = eye
-    for i in range(1, C):
-        pick = rows[:, None] == i
-        a_i = tl.sum(tl.where(pick, A, 0.0), 0)              # A[i, :], indexed by j
-        row = tl.sum(a_i[:, None] * inv, 0)                  # sum_j A_ij inv[j, :]
-        inv = tl.where(pick, eye - row[None, :], inv)
-    return inv
+def _invert_in_place(rows_ptr, row_stride, c, T, C: tl.constexpr):
+    """(I + A)^-1 of the strictly lower-triangular C x C matrix A stored row by row at rows_ptr
+    (row i of the chunk at rows_ptr + i * row_stride; rows past T are absent and read as 0),
+    overwritten in place, in 16 x 16 blocks and fp32: each diagonal block by forward
+    substitution (row i = e_i - sum_{j<i} A_ij row j), then block row r's off-diagonal blocks
+    T_rc = -T_rr sum_{c<=m<r} A_rm T_mc. The substitution runs on 16 rows, not C: one row at a
+    time is a reduction across the whole tile. Block rows read what earlier ones wrote, so
+    each ends with a barrier."""
+    r16 = tl.arange(0, 16)
+    eye = (r16[:, None] == r16[None, :]).to(tl.float32)
+    for bi in tl.static_range(C // 16):
+        ok = c * C + bi * 16 + r16 < T
+        row_ptrs = rows_ptr + (bi * 16 + r16).to(tl.int64)[:, None] * row_stride + r16[None, :]
+        blk = tl.load(row_ptrs + bi * 16, mask=ok[:, None], other=0.0)
+        inv = eye
+        for i in range(1, 16):
+            pick = r16[:, None] == i
+            a_i = tl.sum(tl.where(pick, blk, 0.0), 0)
+            inv = tl.where(pick, eye - tl.sum(a_i[:, None] * inv, 0)[None, :], inv)
+        for cj in tl.static_range(bi):
+            acc = tl.zeros([16, 16], dtype=tl.float32)
+            for m in tl.static_range(cj, bi):
+                a_rm = tl.load(row_ptrs + m * 16, mask=ok[:, None], other=0.0)
+                m_ok = c * C + m * 16 + r16 < T
+                t_mc = tl.load(rows_ptr + (m * 16 + r16).to(tl.int64)[:, None] * row_stride
+                               + cj * 16 + r16[None, :], mask=m_ok[:, None], other=0.0)
+                acc += tl.dot(a_rm, t_mc, input_precision="ieee")
+            # A_r,cj is not read again (later columns start at m > cj), so it can be replaced
+            tl.store(row_ptrs + cj * 16, -tl.dot(inv, acc, input_precision="ieee"),
+                     mask=ok[:, None])
+        tl.store(row_ptrs + bi * 16, inv, mask=ok[:, None])
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -122,10 +142,13 @@ def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr
     k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
     kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
     A = beta[:, None] * kk * _decay(gam, seg, C, True)
-    tinv = _unit_lower_inverse(A, C)
+    # A goes through the Tinv rows of this chunk (their final home) to be inverted block-wise
     cc = tl.arange(0, C)
     tinv_offs = tok.to(tl.int64)[:, None] * C + cc[None, :]
-    tl.store(tinv_ptr + tinv_offs, tinv, mask=ok[:, None])
+    tl.store(tinv_ptr + tinv_offs, A, mask=ok[:, None])
+    tl.debug_barrier()
+    _invert_in_place(tinv_ptr + ((b * T + c * C) * Hv + h).to(tl.int64) * C, Hv * C, c, T, C)
+    tinv = tl.load(tinv_ptr + tinv_offs, mask=ok[:, None], other=0.0)
     dt = k.dtype
     tinv_d = tinv.to(dt)
     kb = k * (beta * tl.exp(gam) * first.to(tl.float32))[:, None]
