@@ -293,7 +293,8 @@ def _triton_check(q, k, v, g, beta, initial_state=None):
 
 
 @GATED_DELTA.register("chunked_triton", priority=8, check=_triton_check)
-def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None):
+def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None):
+    # cu_seqlens: the same boundaries as starts, which the kernels read directly
     from longmoe.ops.kernels.gated_delta_chunk import chunked_gated_delta
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv % Hk:

@@ -2,8 +2,8 @@
 definition; gated_delta_chunk.py launches these and holds the backward's autograd seam).
 
 Legend: B batch, T tokens, Hk/Hv key/value heads (a key head serves Hv/Hk value heads), C chunk
-length (a multiple of 16), n = ceil(T / C) chunks, DK/DV head dims (powers of two >= 16: compile-time sizes, so no
-feature masks), BV a block of value columns. Token tensors are [B, T, H, D] contiguous; chunk
+length (a power of two >= 16), n = ceil(T / C) chunks, DK/DV head dims (powers of two >= 16:
+compile-time sizes, so no feature masks), BV a block of value columns. Token tensors are [B, T, H, D] contiguous; chunk
 states [B, n, Hv, DK, DV].
 
 Per chunk and value head, with gamma the cumulative log decay from the chunk start (fp32; only
