@@ -1,8 +1,8 @@
 """The Triton Gated DeltaNet core (`chunked_triton`, longmoe/ops/kernels/gated_delta_*.py) against
 the one-token-at-a-time reference in fp64, on CPU under TRITON_INTERPRET=1 (the host tiles use
 16-token chunks, so these lengths span several chunks and end in a partial one): output, final
-state and the gradients of q, k, v, g, beta and the initial state, for fp32 and fp16 inputs (bf16 on GPUs), with
-strong decay (g down to -40 per token), GQA, packed sample starts (one at t = 0, one-token
+state and the gradients of q, k, v, g, beta and the initial state, for fp32 and fp16 inputs (bf16
+on GPUs), with strong decay (g down to -40 per token), GQA, packed sample starts (one at t = 0, one-token
 samples, a start on a chunk's first token) and fresh random inputs each run."""
 
 import json
@@ -21,7 +21,7 @@ CASES = {
     "fp32_strong_decay_packed": (2, 101, 1, 2, 16, 32, "float32", 40.0, True, True),
     "fp32_plain": (1, 67, 2, 2, 32, 16, "float32", 1.0, False, False),
     "fp16_packed": (2, 77, 1, 2, 32, 32, "float16", 4.0, True, True),
-    "fp32_chunk64_packed": (1, 150, 2, 4, 16, 16, "float32", 20.0, True, True),
+    "fp32_chunk64_packed": (2, 130, 2, 4, 16, 16, "float32", 20.0, True, True),
 }
 # chunk length where not the host table's 16: 64 (the NVIDIA tiles) runs the block-wise
 # inverse's off-diagonal 16 x 16 blocks
@@ -76,8 +76,10 @@ def _case(B, T, Hk, Hv, dk, dv, dtype, decay, with_h0, with_starts, seed, device
 
     got = run("chunked_triton", exact=False)
     want = run("reference", exact=True)
-    errs = {n: float((a - b).abs().max() / b.abs().max()) for n, a, b in zip(NAMES, got, want)
-            if b is not None}
+    # a reference of zeros (the initial state's gradient in a row that starts at t = 0) must
+    # be met exactly
+    errs = {n: float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+            for n, a, b in zip(NAMES, got, want) if b is not None}
     leak = None
     if starts is not None:
         leaky = run("reference", exact=True, use_starts=False)
@@ -100,7 +102,7 @@ def test_matches_reference_in_fp64(results, case):
     tol = TOL[CASES[case][6]]
     expected = set(NAMES) - ({"dh0"} if not CASES[case][8] else set())
     assert set(errs) == expected
-    assert max(errs.values()) < tol, (seed, errs)
+    assert all(e < tol for e in errs.values()), (seed, errs)     # NaN fails too
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][9]])
@@ -114,7 +116,7 @@ def test_leaking_across_starts_would_fail(results, case):
 def test_bf16_on_gpu_matches_reference_in_fp64():
     seed = random.randrange(2**31)
     res = _case(2, 301, 2, 4, 64, 64, "bfloat16", 20.0, True, True, seed, device="cuda")
-    assert max(res["errs"].values()) < TOL["bfloat16"], (seed, res)
+    assert all(e < TOL["bfloat16"] for e in res["errs"].values()), (seed, res)
     assert res["leak"] > 20 * TOL["bfloat16"], (seed, res)
 
 
