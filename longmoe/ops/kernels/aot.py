@@ -112,9 +112,10 @@ def _kernel_specs():
 
 
 def _gated_delta_specs():
-    """The chunked Gated DeltaNet kernels as Qwen3.5's heads run them: bf16 q/k/v, 128 x 128
-    heads, fp32 gates and states, uint8 starts; `what` lists each kernel's pointer dtypes (in
-    argument order), then its integer arguments."""
+    """The chunked Gated DeltaNet kernels as Qwen3.5's heads run them in training: bf16 q/k/v,
+    128 x 128 heads, fp32 gates and states, uint8 sample starts (the variant with starts is the
+    superset of the one without). Each entry names the pointers' dtypes in argument order, then
+    the integer arguments."""
     from longmoe.ops.kernels import gated_delta_bwd as gb
     from longmoe.ops.kernels import gated_delta_fwd as gf
     bf, f32, u8 = "*bf16", "*fp32", "*u8"
@@ -138,7 +139,7 @@ def _gated_delta_specs():
          {"HAS_DHT": True}, "num_warps_scan", "BV"),
         ("gdn_bwd_wy", gb.gdn_bwd_wy_kernel,
          dict(k_ptr=bf, v_ptr=bf, beta_ptr=bf, gam_ptr=f32, starts_ptr=u8, tinv_ptr=f32,
-              h_ptr=bf, dvn_ptr=f32, dv_ptr=f32, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
+              h_ptr=bf, dvn_ptr=f32, dv_ptr=bf, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
          ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
         ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
