@@ -4,6 +4,9 @@
 # layer, with a per-op profile of PROFILE (empty: none). Writes results/h200/gated_delta${TAG}.json
 # and .md (OUT= elsewhere). The SDPA backends alone:
 #   VARIANTS=sdpa,sdpa:flash,sdpa:cudnn TOKENS=32768,65536 PROFILE= TAG=_sdpa_backends bash bench/h200_gated_delta.sh
+# The Triton core against fla's forward (fla_direct) and the compiled core:
+#   VARIANTS=chunked_compiled@high,chunked_triton@high,chunked_triton,fla_direct TOKENS=32768,65536 \
+#     PROFILE=chunked_triton@high TAG=_triton bash bench/h200_gated_delta.sh
 set -uo pipefail
 OUT=${OUT:-results/h200}
 LOGS=${LOGS:-bench-out}

@@ -185,9 +185,12 @@ def _cmd_bench_delta(a) -> int:
             if sdpa and sdpa not in SDPA_NAMES:
                 raise UserError(f"--variants: {v!r}: SDPA backend must be one of "
                                 f"{', '.join(SDPA_NAMES)}")
+        elif impl == "fla_direct":
+            if prec:
+                raise UserError(f"--variants: {v!r}: fla_direct takes no precision")
         elif impl not in GATED_DELTA.names():
             raise UserError(f"--variants: {v!r}: unknown core; valid: "
-                            f"{', '.join(GATED_DELTA.names())}, sdpa[:backend]")
+                            f"{', '.join(GATED_DELTA.names())}, fla_direct, sdpa[:backend]")
     report = run_bench(tokens, variants, preset, iters=iters, profile=a.profile,
                        profile_dir=a.profile_dir)
     write_report(report, a.out)
@@ -342,8 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
                                              "precision, beside causal SDPA at the same length")
     bd.add_argument("--tokens", default="16384,32768,65536")
     bd.add_argument("--variants", default="chunked,chunked@high,chunked_compiled,"
-                                          "chunked_compiled@high,fla,sdpa",
-                    help="impl[@highest|high] list; the first is the error reference; sdpa = attention")
+                                          "chunked_compiled@high,chunked_triton,"
+                                          "chunked_triton@high,fla,fla_direct,sdpa",
+                    help="impl[@highest|high] list; the first is the error reference; sdpa = "
+                         "attention; fla_direct = fla's kernel called directly (the anchor of "
+                         "the *_vs_fla_fwd ratios)")
     bd.add_argument("--preset", default="qwen3.5-35b-a3b", help="model preset giving the head shapes")
     bd.add_argument("--iters", type=int, default=5)
     bd.add_argument("--profile", help="variant to profile (op table per T into --profile-dir)")

@@ -7,6 +7,13 @@ over the inputs, and the largest error of the output and of every input gradient
 first variant of the run (relative to that tensor's largest magnitude), so a faster variant shows
 what it costs in accuracy. One variant can be profiled into an op table.
 
+The anchor: variant "fla_direct" calls flash-linear-attention's `chunk_gated_delta_rule` itself
+(bf16 in, q/k l2norm in its kernel, GQA heads repeated before the clock starts), outside the
+registry and its trial call, so its forward is timed even where its backward refuses (e.g. its
+gated backward on Hopper with Triton < 3.7.1); a refused backward is recorded as a reason. Every
+row of the same T then carries fwd_vs_fla_fwd and fwd_bwd_vs_fla_fwd: its times over fla's
+forward.
+
 Legend: T tokens, Hk/Hv key/value heads, dk/dv head dims.
 """
 
@@ -50,6 +57,49 @@ def _inputs(T, Hk, Hv, dk, dv, device, dtype, seed):
 def _core(impl):
     from longmoe.ops.gated_delta import gated_delta_rule
     return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, impl=impl)[0]
+
+
+def _fla_direct(leaves, Hk, Hv, backend, warmup, iters, ref):
+    """fla's chunk kernel timed directly: forward, then forward+backward where it runs."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - not installed or not importable here: a reason
+        return {"status": f"skipped: flash-linear-attention not importable ({type(e).__name__})"}
+    if leaves[0].device.type == "cpu":
+        return {"status": "skipped: fla's Triton kernels need a GPU"}
+    q, k, v, g, beta = (x.detach() for x in leaves)
+    if Hv != Hk:
+        q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    xs = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    xs += [g.float().requires_grad_(), beta.to(torch.bfloat16).requires_grad_()]
+
+    def fn(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)[0]
+    fwd, _ = _time(fn, xs, backend, warmup, iters, backward=False)
+    row = {"fwd_ms": fwd, "status": "ok"}
+    o = fn(*xs).detach().float()
+    if ref is not None:
+        row["max_rel_err"] = {"o": _rel_err([o], ref[:1])[0]}
+    try:
+        both, peak = _time(fn, xs, backend, warmup, iters, backward=True)
+        row.update({"fwd_bwd_ms": both, "extra_peak_bytes": int(peak)})
+    except Exception as e:  # noqa: BLE001 - fla refuses its backward on some GPU/Triton pairs
+        row["bwd_status"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return row
+
+
+def add_fla_ratios(results: list[dict]) -> None:
+    """Each ok row's forward and forward+backward times over fla's forward at the same T."""
+    anchor = {r["T"]: r["fwd_ms"] for r in results
+              if r["variant"] == "fla_direct" and r.get("status") == "ok"}
+    for r in results:
+        base = anchor.get(r["T"])
+        if base is None or r.get("status") != "ok":
+            continue
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            if r.get(key) is not None:
+                r[key.replace("_ms", "_vs_fla_fwd")] = r[key] / base
 
 
 def _time(fn, leaves, backend, warmup, iters, backward: bool):
@@ -105,6 +155,8 @@ def run_bench(tokens: list[int], variants: list[str], preset: str = "qwen3.5-35b
                 if impl.partition(":")[0] == "sdpa":
                     row.update(_attention(T, cfg, device, dtype, backend, warmup, iters,
                                           impl.partition(":")[2] or None))
+                elif impl == "fla_direct":
+                    row.update(_fla_direct(leaves, Hk, Hv, backend, warmup, iters, ref))
                 else:
                     fn = _core(impl)
                     with _matmul_precision(prec or "highest"):
@@ -120,7 +172,7 @@ def run_bench(tokens: list[int], variants: list[str], preset: str = "qwen3.5-35b
                                 "max_rel_err": {"o": errs[0], "dq": errs[1], "dk": errs[2],
                                                 "dv": errs[3], "dg": errs[4], "dbeta": errs[5]}})
                     del outs
-                row["status"] = "ok"
+                row.setdefault("status", "ok")
             except torch.OutOfMemoryError:
                 row["status"] = "oom"
             except Exception as e:  # noqa: BLE001 - record and go on: one variant must not end a sweep
@@ -129,6 +181,7 @@ def run_bench(tokens: list[int], variants: list[str], preset: str = "qwen3.5-35b
             results.append(row)
             print(json.dumps(row), flush=True)
         del leaves, ref
+    add_fla_ratios(results)
     return {"benchmark": "gated-delta", "preset": preset,
             "shape": {"Hk": Hk, "Hv": Hv, "dk": dk, "dv": dv, "dtype": str(dtype)},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -169,17 +222,22 @@ def _profile(fn, leaves, path):
 
 
 def markdown_table(report: dict) -> str:
-    lines = ["| T | variant | fwd ms | fwd+bwd ms | extra peak GiB | max rel err (o, dq, dg) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| T | variant | fwd ms | fwd+bwd ms | fwd / fla fwd | fwd+bwd / fla fwd | "
+             "extra peak GiB | max rel err (o, dq, dg) |", "|---|---|---|---|---|---|---|---|"]
+    num = lambda r, k, f: f.format(r[k]) if r.get(k) is not None else ""  # noqa: E731
     for r in report["results"]:
         if r.get("status") != "ok":
-            lines.append(f"| {r['T']} | {r['variant']} | {r['status']} | | | |")
+            lines.append(f"| {r['T']} | {r['variant']} | {r['status']} | | | | | |")
             continue
         e = r.get("max_rel_err")
         err = "" if e is None else ("reference" if r.get("reference") else
-                                    f"{e['o']:.1e}, {e['dq']:.1e}, {e['dg']:.1e}")
-        lines.append(f"| {r['T']} | {r['variant']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | "
-                     f"{r['extra_peak_bytes'] / 2**30:.2f} | {err} |")
+                                    ", ".join(f"{e[k]:.1e}" for k in ("o", "dq", "dg") if k in e))
+        both = num(r, "fwd_bwd_ms", "{:.1f}") or r.get("bwd_status", "")
+        peak = r.get("extra_peak_bytes")
+        lines.append(f"| {r['T']} | {r['variant']} | {r['fwd_ms']:.1f} | {both} | "
+                     f"{num(r, 'fwd_vs_fla_fwd', '{:.2f}')} | "
+                     f"{num(r, 'fwd_bwd_vs_fla_fwd', '{:.2f}')} | "
+                     f"{'' if peak is None else f'{peak / 2**30:.2f}'} | {err} |")
     return "\n".join(lines)
 
 

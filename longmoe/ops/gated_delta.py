@@ -22,6 +22,14 @@ Implementations (registry "gated_delta"):
              elementwise chains between the GEMMs. At 64K tokens on an H200, fwd+bwd with TF32
              and the Triton scan takes 68.6 ms against the eager fp32 form's 193
              (`longmoe bench gated-delta`; causal SDPA of Qwen3.5's attention layer: 276 ms).
+  chunked_triton
+             the chunked form as fused Triton kernels of our own, forward and backward
+             (ops/kernels/gated_delta_fwd.py, gated_delta_bwd.py, launched by
+             gated_delta_chunk.py): per chunk the WY solve, w, u and the output on tensor cores
+             in the inputs' dtype with fp32 accumulation; the state in fp32 registers of one
+             sequential pass per (head, value-column block) each way; nothing but the inputs
+             saved (the backward reruns the forward's two cheap launches). GPUs with Triton, or
+             CPU under TRITON_INTERPRET=1; power-of-two dk, dv >= 16. GPU time not yet measured.
   fla        flash-linear-attention's Triton kernel (`fla.ops.gated_delta_rule`) when the package
              is installed and the tensors are on a GPU.
 """
@@ -271,6 +279,35 @@ def _chunked_compiled(q, k, v, g, beta, initial_state=None, chunk: int = 64, sta
                          initial_state, chunk, starts)
 
 
+def _triton_check(q, k, v, g, beta, initial_state=None):
+    from longmoe.ops.kernels import triton_ready
+    why = triton_ready(q.device)
+    if why:
+        return why
+    for name, d in (("dk", q.shape[-1]), ("dv", v.shape[-1])):
+        if d < 16 or d & (d - 1):
+            return f"{name} = {d}: the Triton core needs a power of two >= 16"
+    if any(x.dtype not in (torch.float32, torch.bfloat16, torch.float16) for x in (q, k, v)):
+        return "the Triton core takes fp32, bf16 or fp16 q/k/v"
+    return None
+
+
+@GATED_DELTA.register("chunked_triton", priority=8, check=_triton_check)
+def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None):
+    # cu_seqlens: the same boundaries as starts, which the kernels read directly
+    from longmoe.ops.kernels.gated_delta_chunk import chunked_gated_delta
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} are not a multiple of key heads {Hk}")
+    # the dots run in the inputs' dtype (bf16 in training) with fp32 accumulation; the norms in
+    # fp32, rounded once to that dtype
+    dt = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
+    scale = q.shape[-1] ** -0.5
+    qn = (L2Norm.apply(q.float()) * scale).to(dt)
+    kn = L2Norm.apply(k.float()).to(dt)
+    return chunked_gated_delta(qn, kn, v.to(dt), g, beta, initial_state, starts)
+
+
 _FLA_TRIAL: dict[str, str | None] = {}
 
 
@@ -374,7 +411,9 @@ def gated_delta_choice(device, impl: str = "auto") -> dict:
             if why is None:
                 break
             skipped[name] = why
-    core = {"fla": "kernel", "chunked_compiled": "compiled"}.get(name, "chunked")
+    # our Triton core saves what fla's does (the inputs; see ops/kernels/gated_delta_chunk.py)
+    core = {"fla": "kernel", "chunked_triton": "kernel", "chunked_compiled": "compiled"}.get(
+        name, "chunked")
     scan = _scan_kernel(torch.zeros(1, 1, 16, 16, device=device))
     return {"asked": impl, "core": name, "skipped": skipped, "recipe_linear_core": core,
             "state_scan": "triton kernel" if scan else "loop of baddbmm steps"}

@@ -93,7 +93,7 @@ class ParallelConfig:
 class ImplConfig:
     linear_ce: str = "auto"
     grouped_mm: str = "auto"
-    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_compiled | chunked | reference
+    gated_delta: str = "auto"       # Gated DeltaNet core: auto | fla | chunked_triton | chunked_compiled | chunked | reference
     recompute: str = "auto"
     # The policy objective (loss.*) inside the LM head with gradients in the forward (auto |
     # fused | fused_torch | reference), or "unfused": log-probs from linear_ce, then the loss.

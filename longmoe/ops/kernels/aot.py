@@ -108,6 +108,54 @@ def _kernel_specs():
                                             "BLOCK_V": c["BLOCK_V"], "ADJOINT": a,
                                             "PRECISION": c.get("fp32_fast", "ieee")},
                       "num_warps"))
+    return specs + _gated_delta_specs()
+
+
+def _gated_delta_specs():
+    """The chunked Gated DeltaNet kernels as Qwen3.5's heads run them in training: bf16 q/k/v,
+    128 x 128 heads, fp32 gates and states, uint8 sample starts (the variant with starts is the
+    superset of the one without). Each entry names the pointers' dtypes in argument order, then
+    the integer arguments."""
+    from longmoe.ops.kernels import gated_delta_bwd as gb
+    from longmoe.ops.kernels import gated_delta_fwd as gf
+    bf, f32, u8 = "*bf16", "*fp32", "*u8"
+    kernels = [  # (name, fn, pointers, ints, extra constexprs, warps key, column block key)
+        ("gdn_prep", gf.gdn_prep_kernel,
+         dict(k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=bf, starts_ptr=u8, gam_ptr=f32,
+              tinv_ptr=f32, w_ptr=bf, u_ptr=bf), ("T", "Hk", "Hv"), {}, "num_warps", "BV_OUT"),
+        ("gdn_states", gf.gdn_states_kernel,
+         dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gam_ptr=f32, starts_ptr=u8, h0_ptr=f32, h_ptr=bf,
+              vn_ptr=bf, ht_ptr=f32), ("T", "n", "Hk", "Hv"), {"HAS_H0": True},
+         "num_warps_scan", "BV"),
+        ("gdn_output", gf.gdn_output_kernel,
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=bf, out_ptr=f32),
+         ("T", "n", "Hk", "Hv"), {"ADJOINT": False}, "num_warps", "BV_OUT"),
+        ("gdn_output[adjoint]", gf.gdn_output_kernel,
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=f32, out_ptr=f32),
+         ("T", "n", "Hk", "Hv"), {"ADJOINT": True}, "num_warps", "BV_OUT"),
+        ("gdn_states_bwd", gb.gdn_states_bwd_kernel,
+         dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=f32, dvi_ptr=f32,
+              dht_ptr=f32, dh_ptr=bf, dvn_ptr=f32, dh0_ptr=f32), ("T", "n", "Hk", "Hv"),
+         {"HAS_DHT": True}, "num_warps_scan", "BV"),
+        ("gdn_bwd_wy", gb.gdn_bwd_wy_kernel,
+         dict(k_ptr=bf, v_ptr=bf, beta_ptr=bf, gam_ptr=f32, starts_ptr=u8, tinv_ptr=f32,
+              h_ptr=bf, dvn_ptr=f32, dv_ptr=bf, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
+         ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
+        ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
+              vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=f32, dk_ptr=f32, dg_ptr=f32),
+         ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
+    ]
+    specs = []
+    for name, fn, ptrs, ints, extra, warps, block in kernels:
+        sig = {**ptrs, **{i: "i32" for i in ints}}
+        consts = ("DK", "DV", "C", "BV", "HAS_STARTS", *extra, "PRECISION")
+        sig.update({c: "constexpr" for c in consts})
+        specs.append(("gated_delta_chunk", name, fn, sig,
+                      lambda c, b=block, e=extra: {"DK": 128, "DV": 128, "C": c["CHUNK"],
+                                                   "BV": c[b], "HAS_STARTS": True, **e,
+                                                   "PRECISION": c.get("fp32_fast", "ieee")},
+                      warps))
     return specs
 
 
@@ -137,10 +185,12 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
         if only and not name.startswith(only):
             continue
         for where, cfg in _configs_for(table, key, target):
+            generic = _pointer_attrs(sig) if key in _ALIGNED_POINTERS else None
             for aligned in (False, True):
                 jobs.append((key, name + ("@aligned" if aligned else ""), fn, sig,
                              constexprs(cfg), t.launch_options(cfg, warps_key),
-                             _aligned_attrs(sig) if aligned else None, {"where": where, **cfg}))
+                             _aligned_attrs(sig) if aligned else generic,
+                             {"where": where, **cfg}))
     reports = []
     for key, variant, fn, sig, consts, opts, attrs, cfg in jobs:
         rep = CompileReport(key, variant, target, cfg, ok=False)
@@ -153,6 +203,16 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
 # Integer arguments that the layer's real shapes make multiples of 16 (strides and the model's
 # widths), besides every pointer (fresh torch allocations are 16-byte aligned).
 _ALIGNED_INTS = ("K", "N", "H", "F", "D", "V")
+
+
+# Kernels whose launcher hands them 16-byte aligned pointers only (it copies a misaligned view:
+# ops/kernels/gated_delta_chunk.py), so their generic variant has aligned pointers and
+# arbitrary integers (lengths, head counts).
+_ALIGNED_POINTERS = ("gated_delta_chunk",)
+
+
+def _pointer_attrs(sig: dict) -> dict:
+    return {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if sig[k].startswith("*")}
 
 
 def _aligned_attrs(sig: dict) -> dict:

@@ -1,0 +1,152 @@
+"""The chunked gated delta rule on Triton kernels (gated_delta_fwd.py, gated_delta_bwd.py): the
+launches and the autograd seam. Inputs are what the core sees after the q/k l2norm and q's
+dk^-1/2 scale (longmoe/ops/gated_delta.py does those, adjacent).
+
+Legend as in gated_delta_fwd.py: B, T, Hk, Hv, DK, DV, C, n.
+
+Saved for backward: q, k, v, g, beta (the inputs), the initial state and the starts; the
+backward recomputes gamma, Tinv, w, u, the chunk states and v_new with the forward's own kernels
+(one more prep and state pass) rather than keeping ~1 GiB of bf16 chunk states per layer at 64K
+tokens (32 value heads of 128 x 128): the model recomputes every layer anyway, and those two
+launches are the cheap part of the backward. Transient in the backward, at 64K tokens and
+C = 64 in bf16: the chunk states and their gradients (1 GiB each), Tinv (fp32, 512 MiB), v_new
+and dv (512 MiB each), dv_new and the per-value-head dq and dk (fp32, 1 GiB each): ~5.5 GiB at
+the peak (the WY-gradient kernel), once per layer under recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from longmoe.ops.kernels.gated_delta_bwd import (gdn_bwd_qk_kernel, gdn_bwd_wy_kernel,
+                                                  gdn_states_bwd_kernel)
+from longmoe.ops.kernels.gated_delta_fwd import (gdn_output_kernel, gdn_prep_kernel,
+                                                  gdn_states_kernel)
+
+TABLE_KEY = "gated_delta_chunk"
+
+
+def kernel_config() -> tuple[dict, str]:
+    """The backend's tiles and the fp32 dot precision: torch's "highest" fp32 matmul precision
+    keeps IEEE fp32, otherwise the table's fast fp32 dot (TF32 where the GPU has it)."""
+    from longmoe.backends import active_backend
+    cfg = active_backend().kernel_config(TABLE_KEY)
+    precision = ("ieee" if torch.get_float32_matmul_precision() == "highest"
+                 else cfg.get("fp32_fast", "ieee"))
+    return cfg, precision
+
+
+def _launch(kernel, grid, cfg, warps_key, *args, **consts):
+    from longmoe.backends import active_backend
+    kernel[grid](*args, **consts, **active_backend().launch_options(cfg, warps_key))
+
+
+class _Shapes:
+    def __init__(self, q, v, cfg):
+        self.B, self.T, self.Hk, self.DK = q.shape
+        self.Hv, self.DV = v.shape[2], v.shape[3]
+        self.C = cfg["CHUNK"]
+        self.n = triton.cdiv(self.T, self.C)
+        self.BV = min(cfg["BV"], self.DV)           # state passes: columns per program
+        self.BVO = min(cfg["BV_OUT"], self.DV)      # chunk-parallel kernels: column blocks
+        self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the two per-chunk backward kernels
+        self.dims = dict(DK=self.DK, DV=self.DV, C=self.C)
+
+
+def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
+    """gamma, Tinv, w, u, the chunk start states h, v_new and the final state."""
+    B, T, Hv, n = s.B, s.T, s.Hv, s.n
+    has_starts = starts is not None
+    st = starts if has_starts else g
+    gam = torch.empty(B, T, Hv, device=q.device, dtype=torch.float32)
+    tinv = torch.empty(B, T, Hv, s.C, device=q.device, dtype=torch.float32)
+    w = torch.empty(B, T, Hv, s.DK, device=q.device, dtype=q.dtype)
+    u = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
+    _launch(gdn_prep_kernel, (n, B * Hv), cfg, "num_warps", k, v, g, beta, st, gam, tinv, w, u,
+            T, s.Hk, Hv, BV=s.BVO, HAS_STARTS=has_starts, PRECISION=prec, **s.dims)
+    h = torch.empty(B, n, Hv, s.DK, s.DV, device=q.device, dtype=q.dtype)
+    vn = torch.empty_like(u)
+    ht = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
+    _launch(gdn_states_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", k, w, u, gam, st,
+            h0 if h0 is not None else ht, h, vn, ht, T, n, s.Hk, Hv, BV=s.BV,
+            HAS_STARTS=has_starts, HAS_H0=h0 is not None, PRECISION=prec, **s.dims)
+    return gam, tinv, w, h, vn, ht
+
+
+def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool):
+    out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device, dtype=torch.float32)
+    _launch(gdn_output_kernel, (s.n, s.B * s.Hv, s.DV // s.BVO), cfg, "num_warps", q, k, gam,
+            starts if starts is not None else gam, h, x, out, s.T, s.n, s.Hk, s.Hv, BV=s.BVO,
+            HAS_STARTS=starts is not None, ADJOINT=adjoint, PRECISION=prec, **s.dims)
+    return out
+
+
+class ChunkedGatedDelta(torch.autograd.Function):
+    """(o fp32, final state fp32) from normalised, scaled q, k [B, T, Hk, DK], v [B, T, Hv, DV]
+    (q, k, v of one dtype), g fp32 and beta [B, T, Hv], h0 fp32 [B, Hv, DK, DV] or None, starts
+    uint8 [B, T] or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, starts):
+        cfg, prec = kernel_config()
+        s = _Shapes(q, v, cfg)
+        gam, _, _, h, vn, ht = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
+        o = _intra(q, k, gam, starts, h, vn, s, cfg, prec, adjoint=False)
+        ctx.save_for_backward(q, k, v, g, beta, h0, starts)
+        ctx.cfg = cfg, prec
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, starts = ctx.saved_tensors
+        cfg, prec = ctx.cfg
+        s = _Shapes(q, v, cfg)
+        B, T, Hv, n = s.B, s.T, s.Hv, s.n
+        gam, tinv, w, h, vn, _ = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
+        do, dht = _dense(do), _dense(dht)
+        dvi = _intra(q, k, gam, starts, h, do, s, cfg, prec, adjoint=True)   # P^T do
+        st = starts if starts is not None else gam
+        dh = torch.empty_like(h)
+        dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=torch.float32)
+        dh0 = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
+        _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", q, k, w,
+                gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
+                n, s.Hk, Hv, BV=s.BV, HAS_STARTS=starts is not None, HAS_DHT=dht is not None,
+                PRECISION=prec, **s.dims)
+        del dvi, w
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dv = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=v.dtype)
+        dkw = torch.empty(B, T, Hv, s.DK, **f32)
+        dbeta, dgw = torch.empty(B, T, Hv, **f32), torch.empty(B, T, Hv, **f32)
+        _launch(gdn_bwd_wy_kernel, (n, B * Hv), cfg, "num_warps_bwd", k, v, beta, gam, st, tinv,
+                h, dvn, dv, dkw, dbeta, dgw, T, n, s.Hk, Hv, BV=s.BVB,
+                HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
+        del tinv, dvn
+        # dk lands on its WY part in place: each program reads its rows before writing them
+        dq, dk = torch.empty_like(dkw), dkw
+        dg = torch.empty(B, T, Hv, **f32)
+        _launch(gdn_bwd_qk_kernel, (n, B * Hv), cfg, "num_warps_bwd", q, k, gam, st, h, dh, do,
+                vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB,
+                HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
+        if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
+            dq, dk = (x.view(B, T, s.Hk, Hv // s.Hk, s.DK).sum(3) for x in (dq, dk))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+                dbeta.to(beta.dtype), dh0 if h0 is not None else None, None)
+
+
+def _dense(x):
+    """x contiguous at a 16-byte aligned address: the kernels are compiled for aligned pointers
+    (vector loads; unaligned, the per-element addresses spill the backward's registers), and
+    a contiguous view into a larger tensor may start anywhere."""
+    if x is None:
+        return None
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def chunked_gated_delta(q, k, v, g, beta, h0=None, starts=None):
+    """Forward (and, through autograd, backward) of the chunked core; see ChunkedGatedDelta."""
+    st = None if starts is None else starts.to(torch.uint8)
+    h0 = None if h0 is None else h0.float()
+    return ChunkedGatedDelta.apply(*map(_dense, (q, k, v, g.float(), beta, h0, st)))
