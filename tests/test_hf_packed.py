@@ -94,9 +94,12 @@ def _our_grads(model, cfg):
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
-def test_packed_rows_match_transformers_per_sample(kind, tmp_path):
+# Gated DeltaNet through the auto choice on CPU (the chunked core) and the recurrent reference.
+@pytest.mark.parametrize("kind,gated_delta", [("qwen3_5_moe", "auto"), ("qwen3_5_moe", "reference"),
+                                              ("qwen3_moe", "auto")])
+def test_packed_rows_match_transformers_per_sample(kind, gated_delta, tmp_path):
     from longmoe.config import from_hf_config
+    from longmoe.model.deltanet import GatedDeltaNet
     from longmoe.model.hf import load_hf
     from longmoe.model.packing import PackedRows
     from longmoe.model.transformer import MoETransformer
@@ -108,6 +111,9 @@ def test_packed_rows_match_transformers_per_sample(kind, tmp_path):
     assert ("linear_attention" in cfg.layer_types) == (kind == "qwen3_5_moe")
     ours = MoETransformer(cfg)
     load_hf(ours, tmp_path)
+    for m in ours.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.impl = gated_delta
 
     batch = _packed(cfg.vocab_size, gen)
     ids, labels = batch.input_ids, batch.labels
