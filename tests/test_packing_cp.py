@@ -2,7 +2,8 @@
 share of packed rows (sample ids, positions, starts) and runs the model with FSDP2, full
 recompute, linear CE and EP; the ranks' per-token log-probs, loss and every parameter gradient
 equal world size 1 running each sample alone, unpacked. Sample starts fall inside pieces and
-exactly on piece boundaries; samples span several pieces; one sample fills a whole row. A share
+exactly on piece boundaries; samples span several pieces; one sample fills a whole row. Without
+CP (EP 2, FSDP2) each data rank holds one packed row, with the same per-token checks. A share
 that drops the document mask, the conv's restart or the state's restart changes the log-probs.
 """
 
@@ -30,6 +31,7 @@ def _run(**kw):
 
 
 def _cp_rank(rank, world, backend, run_dict, seed):
+    from longmoe.model.packing import PackedRows
     from longmoe.parallel.context_parallel import local_packing, split_sequence, zigzag_positions
     from longmoe.parallel.mesh import build_layout
     from longmoe.train.config import from_dict
@@ -39,13 +41,19 @@ def _cp_rank(rank, world, backend, run_dict, seed):
     model = build_model(run, layout, backend.device(rank))
     ids, labels, w, packing = packed_batch(ROWS, S, run.model.vocab_size,
                                            torch.Generator().manual_seed(seed))
+    rows = slice(None)
+    if layout.data_world > 1:  # one packed row per data rank
+        assert layout.data_world == len(ROWS)
+        rows = slice(layout.data_rank, layout.data_rank + 1)
+        ids, labels, w = ids[rows], labels[rows], w[rows]
+        packing = PackedRows(packing.sample_ids[rows], packing.positions[rows])
     pos = zigzag_positions(S, layout.cp, layout.cp_rank)
     ids, labels, w = (split_sequence(t, pos) for t in (ids, labels, w))
     lp, _, _, _ = model(ids, labels, packing=local_packing(packing, layout.cp, layout.cp_rank))
     loss = (lp.double() * w).sum()
     (loss * loss_scale(layout)).backward()
     finish_grads(model, layout, run.parallel.fsdp)
-    return {"lp": lp.detach().double(), "pos": pos, "loss": float(loss),
+    return {"lp": lp.detach().double(), "rows": rows, "pos": pos, "loss": float(loss),
             "grads": _grads_by_name(model)}
 
 
@@ -68,8 +76,10 @@ def _reference(run_dict, seed):
     return {"lp": lp_all, "loss": loss, "grads": _grads_by_name(model), "real": labels != -100}
 
 
-@pytest.mark.parametrize("nproc,cp,ep", [(2, 2, 1), (2, 2, 2), (4, 4, 2)],
-                         ids=["cp2", "cp2-ep2", "cp4-ep2"])
+# cp1-ep2: no context parallelism, each of the 2 data ranks holds one packed row (EP 2 and
+# FSDP2 over both ranks).
+@pytest.mark.parametrize("nproc,cp,ep", [(2, 2, 1), (2, 2, 2), (4, 4, 2), (2, 1, 2)],
+                         ids=["cp2", "cp2-ep2", "cp4-ep2", "cp1-ep2"])
 def test_packed_context_parallel_equals_unpacked_world1(nproc, cp, ep):
     seed = random.randrange(2**31)
     run = _run(cp=cp, ep=ep)
@@ -78,7 +88,7 @@ def test_packed_context_parallel_equals_unpacked_world1(nproc, cp, ep):
     tol = 5 * TOLERANCE[torch.float32]
     lp = torch.zeros_like(ref["lp"])
     for r in ranks:
-        lp[:, r["pos"]] = r["lp"]
+        lp[r["rows"], r["pos"]] = r["lp"]
     real = ref["real"]
     assert rel_err(lp[real], ref["lp"][real]) < tol, seed
     scale = float((ref["lp"].abs() * real).sum() / real.sum())  # the loss sums signed terms
