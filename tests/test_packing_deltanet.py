@@ -242,9 +242,10 @@ def test_a_leaking_conv_is_caught(gen):
     wt = torch.randn(5, 4, generator=gen, dtype=torch.float64)
     good, leaky = causal_conv_silu(x, wt, None, p.history), causal_conv_silu(x, wt)
     assert rel_err(good[1], leaky[1]) < 1e-12  # one sample per row: nothing to leak
-    for start in (5, 14):  # each later sample of row 0
+    assert rel_err(leaky[0, :5], good[0, :5]) < 1e-12  # the row's first sample
+    for start in (5, 14):  # the first K-1 = 3 tokens of each later sample
         assert rel_err(leaky[0, start:start + 3], good[0, start:start + 3]) > 1e-3
-        assert rel_err(leaky[0, start + 3:start + 4], good[0, start + 3:start + 4]) < 1e-12
+    assert rel_err(leaky[0, 8:14], good[0, 8:14]) < 1e-12  # the second sample's 4th token on
 
 
 class _Leaky:
