@@ -63,7 +63,7 @@ def _spans(batch):
     return out
 
 
-def _hf_grads(hf, cfg):
+def _hf_grads(hf):
     """transformers' gradients under the published per-expert keys (its modules hold the
     experts fused: gate_up_proj [E, 2F, H], down_proj [E, H, F])."""
     out = {}
@@ -137,7 +137,7 @@ def test_packed_rows_match_transformers_per_sample(kind, gated_delta, tmp_path):
         lp_hf = lp_hf * trained[r:r + 1, sl]
         (lp_hf * w[r:r + 1, sl]).sum().backward()   # gradients sum over the samples
         want_logits[r, sl], want_lp[r, sl] = logits[0].detach(), lp_hf[0].detach()
-    want_grads = _hf_grads(hf, cfg)
+    want_grads = _hf_grads(hf)
 
     real = ~packing.padding
     assert trained.sum() > 30 and not trained[0, 11] and real[0].sum() == 32  # the shapes above
