@@ -232,10 +232,59 @@ def test_masked_conv_equals_each_sample_alone(gen, halo, traced):
         assert rel_err(a, b) < 1e-12
 
 
+def test_a_leaking_conv_is_caught(gen):
+    # The check above can fail: without the history mask a sample's first K-1 tokens read the
+    # inputs before it; from the K-th token on every tap lies inside the sample again.
+    from longmoe.model.deltanet import causal_conv_silu
+    rows = [[5, 9, 3], [17]]
+    p = PackedRows.from_lengths(rows, 17)
+    x = torch.randn(2, 17, 5, generator=gen, dtype=torch.float64)
+    wt = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    good, leaky = causal_conv_silu(x, wt, None, p.history), causal_conv_silu(x, wt)
+    assert rel_err(good[1], leaky[1]) < 1e-12  # one sample per row: nothing to leak
+    assert rel_err(leaky[0, :5], good[0, :5]) < 1e-12  # the row's first sample
+    for start in (5, 14):  # the first K-1 = 3 tokens of each later sample
+        assert rel_err(leaky[0, start:start + 3], good[0, start:start + 3]) > 1e-3
+    assert rel_err(leaky[0, 8:14], good[0, 8:14]) < 1e-12  # the second sample's 4th token on
+
+
+class _Leaky:
+    """A packing that keeps one restart and drops the other: `conv` leaks the short convolution
+    across sample boundaries (history of unpacked rows), `state` the recurrent state (starts of
+    unpacked rows). Everything else is the real packing's."""
+
+    def __init__(self, p, leak):
+        plain = PackedRows.unpacked(*p.shape)
+        self.history = plain.history if leak == "conv" else p.history
+        self.starts = plain.starts if leak == "state" else p.starts
+        self.cu_seqlens = plain.cu_seqlens if leak == "state" else p.cu_seqlens
+
+
 @pytest.mark.parametrize("impl,compiled_path", [("reference", False), ("chunked", False),
                                                 ("chunked_compiled", True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_layer_packed_equals_each_sample_alone(gen, impl, compiled_path, dtype):
+    errs = _layer_check(gen, impl, compiled_path, dtype)
+    # the core computes in fp32 whatever the layer's dtype
+    assert max(errs.values()) < LAYER_TOL, (errs, gen.initial_seed())
+
+
+@pytest.mark.parametrize("leak", ["conv", "state"])
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_a_layer_leaking_conv_or_state_is_caught(gen, impl, leak):
+    # Each restart alone is needed: dropping either one fails the layer's check, outputs and
+    # input gradients alike. Mild decay (A in [0.1, 1), the low end of the range checkpoints
+    # hold): under the default init's A of up to 16 a leaked state fades within a few tokens.
+    errs = _layer_check(gen, impl, False, torch.float32, leak=leak, mild_decay=True)
+    assert min(errs["y"], errs["dx"]) > 10 * LAYER_TOL, (errs, gen.initial_seed())
+
+
+LAYER_TOL = 5 * F32
+
+
+def _layer_check(gen, impl, compiled_path, dtype, leak=None, mild_decay=False):
+    """Relative errors of the layer on packed rows (`leak`: a _Leaky packing) against each
+    sample alone: output, input gradient, every parameter gradient."""
     from longmoe.config import get_preset
     from longmoe.model.deltanet import GatedDeltaNet
     if compiled_path:
@@ -246,6 +295,9 @@ def test_layer_packed_equals_each_sample_alone(gen, impl, compiled_path, dtype):
         for prm in layer.parameters():
             prm.copy_(torch.randn(prm.shape, generator=gen, dtype=torch.float64) * 0.3)
     layer.reset_parameters(gen)
+    if mild_decay:
+        with torch.no_grad():
+            layer.A_log.copy_((torch.rand(layer.A_log.shape, generator=gen) * 0.9 + 0.1).log())
     layer.impl = impl
     S = 45
     rows = [[1, 14, 3, 20], [S]]
@@ -262,7 +314,7 @@ def test_layer_packed_equals_each_sample_alone(gen, impl, compiled_path, dtype):
 
     with forced("aot_eager_decomp_partition") if compiled_path else contextlib.nullcontext():
         w_now = w
-        y, grads = run(x, p)
+        y, grads = run(x, p if leak is None else _Leaky(p, leak))
         want = [torch.zeros(t.shape, dtype=torch.float64) for t in (y, x, *grads[1:])]
         for r, a, n in _samples(rows):
             w_now = w[r:r + 1, a:a + n]
@@ -270,13 +322,11 @@ def test_layer_packed_equals_each_sample_alone(gen, impl, compiled_path, dtype):
             want[0][r:r + 1, a:a + n], want[1][r:r + 1, a:a + n] = ya.detach(), ga[0]
             for acc, g in zip(want[2:], ga[1:]):
                 acc += g.double()
-    tol = 5 * F32  # the core computes in fp32 whatever the layer's dtype
     real = ~p.padding
-    assert rel_err(y[real], want[0][real]) < tol, gen.initial_seed()
-    assert rel_err(grads[0][real], want[1][real]) < tol, gen.initial_seed()
-    names = [n for n, _ in layer.named_parameters()]
-    for name, g, gr in zip(names, grads[1:], want[2:]):
-        assert rel_err(g, gr) < tol, (name, gen.initial_seed())
+    errs = {"y": rel_err(y[real], want[0][real]), "dx": rel_err(grads[0][real], want[1][real])}
+    for (name, _), g, gr in zip(layer.named_parameters(), grads[1:], want[2:]):
+        errs[name] = rel_err(g, gr)
+    return errs
 
 
 # ---- GPUs --------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""Token-budget training through `longmoe train`: data.overlong error | drop | truncate end to end
-with the per-step counts in --metrics-out, and the bad inputs the launcher rejects before any
-process group starts, each as one line naming the sample, field or setting."""
+"""Token-budget training through `longmoe train`: data.overlong drop | truncate end to end with the
+per-step counts in --metrics-out, and the bad inputs the launcher rejects before any process group
+starts (a sample over the budget under data.overlong=error, a budget below the longest prompt or
+not dividing into the CP zigzag pieces, a Parquet file missing a field), each as one line naming
+the sample, field or setting: through the command (exit 2) and through its validation."""
 
 from __future__ import annotations
 
@@ -43,13 +45,7 @@ def test_overlong_policies_end_to_end(tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = {p: pool.submit(_train, tmp_path, "--set", f"data.overlong={p}",
                                "--metrics-out", f"{p}.jsonl") for p in ("drop", "truncate")}
-        err = _train(tmp_path)   # data.overlong=error, the default
         runs = {p: f.result() for p, f in runs.items()}
-    assert err.returncode == 2 and "Traceback" not in err.stderr
-    lines = [ln for ln in err.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, err.stderr
-    assert "d.jsonl:2" in lines[0] and "33 tokens" in lines[0] and \
-        f"data.max_tokens_per_micro_batch={BUDGET}" in lines[0], lines[0]
     for policy, p in runs.items():
         assert p.returncode == 0, p.stderr[-2000:]
         rows = [json.loads(ln) for ln in (tmp_path / f"{policy}.jsonl").read_text().splitlines()]
@@ -67,6 +63,54 @@ def test_overlong_policies_end_to_end(tmp_path):
             assert r["micro_batches"] >= 1 and 0 <= r["padding_share"] < 1
         out = " ".join(p.stdout.split())
         assert ("1 dropped, 0 truncated" if policy == "drop" else "0 dropped, 1 truncated") in out
+
+
+def _write_bad_inputs(d):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    _write_jsonl(d / "d.jsonl", _rows())
+    _write_jsonl(d / "p.jsonl", _rows() + [{"prompt": [1] * 30, "response": [2], "advantage": 0}])
+    pq.write_table(pa.table({"prompt": [[1, 2]], "response": [[3, 4]]}), d / "m.parquet")
+
+
+# id -> (arguments after _train's, substrings the one error line must hold)
+BAD_CLI = {
+    # the default data.overlong=error: line 2 holds 33 tokens
+    "sample_over_budget": ([], ["d.jsonl:2", "33 tokens",
+                                f"data.max_tokens_per_micro_batch={BUDGET}"]),
+    # a prompt no budget row can hold, even when long samples may be cut
+    "budget_below_longest_prompt": (["--set", "data.path=p.jsonl",
+                                     "--set", "data.overlong=truncate"],
+                                    [f"data.max_tokens_per_micro_batch: {BUDGET}",
+                                     "longest prompt (30 tokens)"]),
+    # rows of 30 tokens cannot split into the 4 zigzag pieces of CP 2
+    "budget_not_in_zigzag_pieces": (["--nproc", "2", "--set", "parallel.cp=2",
+                                     "--set", "data.max_tokens_per_micro_batch=30"],
+                                    ["data.max_tokens_per_micro_batch: 30", "2*cp=4"]),
+    "parquet_missing_field": (["--set", "data.source=parquet", "--set", "data.path=m.parquet",
+                               "--set", "data.batch_size=1"], ["m.parquet", "'advantage'"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_cli(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    _write_bad_inputs(d)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {k: pool.submit(_train, d, *argv) for k, (argv, _) in BAD_CLI.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_CLI))
+def test_bad_input_through_the_cli(bad_cli, case):
+    p = bad_cli[case].result()
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    for s in BAD_CLI[case][1]:
+        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
+    # Rejected before any rank started: no training banner, no step.
+    assert "rank(s) on" not in p.stdout and "step" not in p.stdout, p.stdout
 
 
 def _run(**data):
