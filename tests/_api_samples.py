@@ -7,10 +7,10 @@ import math
 import torch
 
 
-def run_dict(seed, ep=1, fsdp=False, budget=32, preset="tiny", loss=None):
+def run_dict(seed, ep=1, fsdp=False, budget=32, preset="tiny", loss=None, cp=1):
     return {"model": {"preset": preset, "num_layers": 2 if preset == "tiny" else 4,
                       "router_aux_loss_coef": 0.0, "init_std": 0.1},
-            "parallel": {"ep": ep, "fsdp": fsdp, "chunks": 1},
+            "parallel": {"ep": ep, "cp": cp, "fsdp": fsdp, "chunks": 1},
             "impl": {"linear_ce": "chunked", "ce_chunk_tokens": 40, "gated_delta": "chunked"},
             "data": {"max_tokens_per_micro_batch": budget},
             "loss": loss if loss is not None else {"kl_coef": 0.1, "tis_cap": 1.5,

@@ -2,7 +2,8 @@
 samples gives the same loss, statistics, gradient norm and parameter update on 2 ranks (EP 2 x
 FSDP2, several packed micro-batches) as on one; several forward_backward calls accumulate
 under the documented normalisation; a save/load round trip continues exactly; samples that
-differ between ranks stop every rank with one error.
+differ between ranks stop every rank with one error. Context parallel 2 gives the same loss,
+update and log-probs too.
 
 AdamW with a large eps (1) makes the first update lr * g / (|g| + 1): smooth in the gradient, so
 float rounding between layouts stays a rounding-sized difference (with the usual eps the first
@@ -107,6 +108,11 @@ def _rank(rank, world, backend, run_dict, seed, ckpt_dir):
     # nothing was left half done: the trainer still trains
     out["after_errors"] = [pt.forward_backward(S)["loss"], pt.optim_step()["skipped"]]
     out["errors"] = errors
+    # Context parallel 2 (each sample's row split zigzag over both ranks), FSDP2 over them
+    cp_run = from_dict({**run_dict, "parallel": {**run_dict["parallel"], "ep": 1, "cp": 2}})
+    stats, info, delta, pt = _train_once(cp_run, make_samples(seed, 9))
+    out["cp"] = {"stats": stats[0], "info": info, "delta": delta,
+                 "logprobs": pt.compute_logprobs(make_samples(seed, 9))}
     return out
 
 
@@ -142,6 +148,13 @@ def test_two_ranks_equal_one_process(two_ranks):
         for a, b in zip(r["logprobs"] + r["entropy"], one["logprobs"] + one["entropy"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
     _same_update([r["delta"] for r in ranks], one["delta"], "2 ranks")
+    for r in ranks:   # CP 2: every rank holds every expert
+        _same_update([r["cp"]["delta"]], one["delta"], "cp 2")
+        assert abs(r["cp"]["stats"]["loss"] - one["stats"]["loss"]) <= TOL * max(
+            abs(one["stats"]["loss"]), 1e-2)
+        assert r["cp"]["stats"]["tokens"] == one["stats"]["tokens"]
+        for a, b in zip(r["cp"]["logprobs"], one["logprobs"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
     assert ranks[0]["stats"]["micro_batches"] > 1    # several packed micro-batches per rank
     for k in ("kl", "tis_weight", "tis_clip_frac", "dual_clip_frac", "ratio", "entropy"):
         assert k in one["stats"], k
