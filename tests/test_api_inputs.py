@@ -129,3 +129,28 @@ def test_bad_inputs_name_the_sample_and_field(trainer):
     got = fb(S[:2] + [ok])
     assert math.isfinite(got["loss"])
     assert pt.optim_step()["skipped"] is None
+
+
+@pytest.mark.parametrize("budget,packing", [(None, True), (None, False), (32, False)])
+def test_every_micro_batch_layout_gives_the_same_step(budget, packing):
+    """Packed micro-batches under a budget (the reference), one packed row, padded rows in one
+    forward, one padded sample per micro-batch: the same loss, gradient norm and log-probs."""
+    from longmoe.api import PolicyTrainer
+    from longmoe.train.config import from_dict
+    seed = random.randrange(1000)
+    S = make_samples(seed, 7)
+    out = []
+    for b, p in ((32, True), (budget, packing)):
+        d = _run_dict(seed, budget=b)
+        d["data"]["packing"] = p
+        pt = PolicyTrainer(from_dict(d))
+        stats = pt.forward_backward(S)
+        info = pt.optim_step()
+        out.append((stats, info, pt.compute_logprobs(S)))
+    (s0, i0, l0), (s1, i1, l1) = out
+    assert s0["micro_batches"] > 1 and (s1["micro_batches"] == 1) == (budget is None)
+    assert s1["padding_share"] > 0 or packing
+    assert abs(s1["loss"] - s0["loss"]) <= 1e-3 * max(abs(s0["loss"]), 1e-2)
+    assert abs(i1["grad_norm"] - i0["grad_norm"]) <= 1e-3 * i0["grad_norm"]
+    for a, b in zip(l0, l1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
