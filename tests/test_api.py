@@ -48,7 +48,7 @@ def _train_once(run, samples, calls=None):
     return stats, info, _delta(p0, _params(pt.model)), pt
 
 
-def scenario(run_dict, seed, ckpt_dir, rank=0):
+def scenario(run_dict, seed, ckpt_dir):
     """Every check that runs the same on one process and on ranks; rank-specific bad calls are
     in _rank."""
     from longmoe.train.config import from_dict
@@ -78,10 +78,12 @@ def scenario(run_dict, seed, ckpt_dir, rank=0):
 
 
 def _rank(rank, world, backend, run_dict, seed, ckpt_dir):
+    from dataclasses import replace
+
     from longmoe.api import PolicyTrainer
     from longmoe.errors import UserError
     from longmoe.train.config import from_dict
-    out = scenario(run_dict, seed, ckpt_dir, rank)
+    out = scenario(run_dict, seed, ckpt_dir)
     pt = PolicyTrainer(from_dict(run_dict))
     S = make_samples(seed, 6)
     errors = {}
@@ -95,13 +97,11 @@ def _rank(rank, world, backend, run_dict, seed, ckpt_dir):
     # rank 1 gets another advantage for sample 4
     other = list(S)
     if rank == 1:
-        from dataclasses import replace
         other[4] = replace(S[4], advantage=7.0)
     attempt("differ", lambda: pt.forward_backward(other))
     attempt("length", lambda: pt.forward_backward(S[:5] if rank == 1 else S))
     bad = list(S)
     if rank == 1:
-        from dataclasses import replace
         bad[2] = replace(S[2], response=S[2].response.clone().fill_(10 ** 6))
     attempt("one_rank_bad", lambda: pt.forward_backward(bad))
     attempt("calls", lambda: pt.compute_logprobs(S) if rank else pt.forward_backward(S))
