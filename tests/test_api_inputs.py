@@ -154,3 +154,49 @@ def test_every_micro_batch_layout_gives_the_same_step(budget, packing):
     assert abs(i1["grad_norm"] - i0["grad_norm"]) <= 1e-3 * i0["grad_norm"]
     for a, b in zip(l0, l1):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path):
+    """Weights that make the loss NaN: optim_step applies nothing (the AdamW state stays empty),
+    the schedule advances, train.max_bad_steps in a row raise TrainingStopped, and neither a
+    save nor an export writes anything."""
+    from longmoe.api import PolicyTrainer
+    from longmoe.train.config import from_dict
+    from longmoe.train.supervise import TrainingStopped
+    d = _run_dict(random.randrange(1000))
+    d["train"]["max_bad_steps"] = 2
+    d["optim"]["warmup_steps"] = 4
+    pt = PolicyTrainer(from_dict(d))
+    S = make_samples(5, 3)
+    with torch.no_grad():
+        pt.model.embed.weight[S[0].prompt[0]] = float("nan")
+    before = {n: p.detach().clone() for n, p in pt.model.named_parameters()}
+    assert not math.isfinite(pt.forward_backward(S)["loss"])
+    info = pt.optim_step()
+    assert info["skipped"] == "nonfinite" and info["bad_steps"] == 1 and info["step"] == 1
+    assert not pt.optim.state          # no moment was made
+    assert pt.lr > info["lr"]          # warmup went on
+    for n, p in pt.model.named_parameters():
+        assert torch.equal(p, before[n]) or torch.isnan(before[n]).any(), n
+    pt.forward_backward(S)
+    with pytest.raises(TrainingStopped, match=r"optim_step: 2 steps in a row .*train.max_bad_steps=2"):
+        pt.optim_step()
+    with pytest.raises(TrainingStopped, match="save: the parameters are not finite"):
+        pt.save(tmp_path / "ck")
+    with pytest.raises(TrainingStopped, match="export_hf: the parameters are not finite"):
+        pt.export_hf(tmp_path / "hf")
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "hf").exists()
+
+
+def test_load_errors_name_the_directory(trainer, tmp_path):
+    from longmoe.api import PolicyTrainer
+    from longmoe.train.config import from_dict
+    _expect(lambda: trainer.load(tmp_path), rf"load: no checkpoint in {tmp_path}")
+    other = PolicyTrainer(from_dict(_run_dict(1)))   # the tiny model, not tiny-hybrid
+    other.save(tmp_path / "tiny")
+    _expect(lambda: trainer.load(tmp_path / "tiny"), r"checkpoint .*step-00000000: model differs "
+                                                     r"from the config in .*num_layers")
+    trainer.forward_backward(make_samples(3, 2))
+    _expect(lambda: trainer.load(tmp_path / "tiny"), r"load: forward_backward gradients are "
+                                                     r"pending; call optim_step")
+    trainer.optim_step()

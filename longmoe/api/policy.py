@@ -19,6 +19,7 @@ union. docs/api.md has the full semantics.
 from __future__ import annotations
 
 import os
+import warnings
 import torch
 import torch.distributed as dist
 
@@ -108,6 +109,13 @@ class PolicyTrainer:
     def lr(self) -> float:
         """The learning rate the next optimizer step applies."""
         return self.sched.get_last_lr()[0]
+
+    def _advance_schedule(self):
+        with warnings.catch_warnings():
+            # A skipped step (or a load) advances the schedule on purpose: the rate is a
+            # function of the step index. torch warns when no optimizer step came first.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.sched.step()
 
     def _reset_pending(self):
         self._calls = 0
@@ -221,7 +229,7 @@ class PolicyTrainer:
         self.optim.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         lr = self.lr
-        self.sched.step()
+        self._advance_schedule()
         self.step += 1
         self._reset_pending()
         if skipped == "nonfinite":
@@ -328,7 +336,7 @@ class PolicyTrainer:
         ckpt.load(point, self.model, self.optim, self.backend)
         self.step = point.step
         self.sched.last_epoch = point.step - 1
-        self.sched.step()
+        self._advance_schedule()
         self.bad_steps = 0
 
     def export_hf(self, directory, dtype: torch.dtype | None = None) -> str:
