@@ -136,6 +136,9 @@ class PolicyTrainer:
                           self.run.loss.required_logprobs(), signal=signal)
         except UserError as e:
             error = e
+        except Exception as e:  # noqa: BLE001 - a peer must not wait for a rank that failed
+            error = UserError(f"{what}: the samples could not be checked ({type(e).__name__}: "
+                              f"{e})")
         agree(samples, what, error, call, self.layout.batch_group, self.device, signal)
 
     def counts(self, samples) -> dict:
