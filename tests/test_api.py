@@ -37,13 +37,18 @@ def _delta(before, after):
     return {k: after[k] - before[k] for k in before}
 
 
-def _train_once(run, samples, calls=None):
+def _train_once(run, samples, calls=None, probe=False):
     """A fresh trainer: forward_backward over `calls` (lists of samples with keyword args), one
-    optim_step; (stats of each call, optim info, parameter update, trainer)."""
+    optim_step; (stats of each call, optim info, parameter update, trainer). `probe`: a
+    compute_logprobs after each call, which must change nothing of the step."""
     from longmoe.api import PolicyTrainer
     pt = PolicyTrainer(run)
     p0 = _params(pt.model)
-    stats = [pt.forward_backward(s, **kw) for s, kw in (calls or [(samples, {})])]
+    stats = []
+    for s, kw in calls or [(samples, {})]:
+        stats.append(pt.forward_backward(s, **kw))
+        if probe:
+            pt.compute_logprobs(s[:3])
     info = pt.optim_step()
     return stats, info, _delta(p0, _params(pt.model)), pt
 
@@ -65,10 +70,11 @@ def scenario(run_dict, seed, ckpt_dir):
     pt.load(ckpt_dir)
     out["step_after_load"] = pt.step
     out["after_load"] = [pt.forward_backward(S2), pt.optim_step(), pt.compute_logprobs(S)]
-    # Two calls normalised by the union's counts equal one call over the union.
+    # Two calls normalised by the union's counts equal one call over the union (log-probs
+    # computed between them change nothing).
     c = pt.counts(S)
     kw = {"num_tokens": c["tokens"], "num_samples": c["samples"]}
-    out["split"] = _train_once(run, None, [(A, kw), (B, kw)])[:3]
+    out["split"] = _train_once(run, None, [(A, kw), (B, kw)], probe=True)[:3]
     # The default (each call normalised by its own counts): k calls of the same list sum k
     # equal losses, so the gradient is k times one call's.
     out["twice"] = _train_once(run, None, [(A, {}), (A, {})])[1]["grad_norm"]

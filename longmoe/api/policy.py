@@ -22,6 +22,7 @@ import os
 import warnings
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from longmoe.api.batches import (labelled, plan_call, rank_step_data, response_offsets,
                                  scatter_results, whole_rows)
@@ -278,6 +279,12 @@ class PolicyTrainer:
             if with_entropy:
                 got.append(whole_rows(ent, mb.row_len, self.layout))
             results.append(got)
+        # A forward with no backward leaves the FSDP units that skip resharding after forward
+        # (the LM head's) unsharded, their module attributes plain tensors: the next gradient
+        # norm would miss their gradients and pt.model would show stale weights after a step.
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         if self.layout.cp_rank == 0:
             for f in range(k):
                 scatter_results(call, [r[f] for r in results], self.layout.data_rank, offsets,
