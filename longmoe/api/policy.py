@@ -185,24 +185,30 @@ class PolicyTrainer:
         return self._reduce(loss, aux, stats, data, n_tok, n_smp)
 
     def _reduce(self, loss, aux, stats, data: StepData, n_tok: int, n_smp: int) -> dict:
-        cp = self.layout.cp
-        present = [float(k in stats) for k, _ in STATS]
-        vals = [float(loss), float(aux), data.row_tokens / cp, sum(data.lengths) / cp,
-                *present, *[float(stats.get(k, 0.0)) for k, _ in STATS]]
-        t = torch.tensor(vals, dtype=torch.float64, device=self.device)
+        """The call's statistics summed over ranks: one all-reduce and one host read (the
+        device values are stacked where they are, not read one by one)."""
+        cp, dev = self.layout.cp, self.device
+        f64 = lambda v: torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(())  # noqa: E731
+        on_device = torch.stack([f64(loss.detach()), f64(aux.detach())]
+                                + [f64(stats[k].detach() if torch.is_tensor(stats[k]) else stats[k])
+                                   if k in stats else f64(0.0) for k, _ in STATS])
+        host = torch.tensor([data.row_tokens / cp, sum(data.lengths) / cp]
+                            + [float(k in stats) for k, _ in STATS], dtype=torch.float64,
+                            device=dev)
+        t = torch.cat([on_device, host])
         if self.layout.world > 1:
             dist.all_reduce(t, group=self.layout.batch_group)
         v = t.tolist()
-        rows, useful = v[2], v[3]
+        n = len(STATS)
+        sums, (rows, useful), present = v[2:2 + n], v[2 + n:4 + n], v[4 + n:]
         g = max(n_tok, 1)
         out = {"loss": v[0], "aux_loss": v[1], "tokens": n_tok, "samples": n_smp,
                "micro_batches": len(data.micro),
                "padding_share": (rows - useful) / rows if rows else 0.0,
                "row_tokens": round(rows), "useful_tokens": round(useful)}
-        n = len(STATS)
-        for i, (_, name) in enumerate(STATS):
-            if v[4 + i]:
-                out[name] = v[4 + n + i] / g
+        for (_, name), total, have in zip(STATS, sums, present):
+            if have:
+                out[name] = total / g
         return out
 
     def optim_step(self, stop_on_bad: bool = True) -> dict:
