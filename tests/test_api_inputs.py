@@ -200,3 +200,26 @@ def test_load_errors_name_the_directory(trainer, tmp_path):
     _expect(lambda: trainer.load(tmp_path / "tiny"), r"load: forward_backward gradients are "
                                                      r"pending; call optim_step")
     trainer.optim_step()
+
+
+def test_truncated_samples_train_on_their_own_log_probs():
+    """data.overlong=truncate: compute_logprobs leaves NaN past the cut, and those log-probs fed
+    back train (positions past the cut are never read); a NaN before the cut is an error."""
+    from longmoe.api import PolicyTrainer
+    from longmoe.train.config import from_dict
+    d = _run_dict(random.randrange(1000), budget=32)
+    d["data"]["overlong"] = "truncate"
+    pt = PolicyTrainer(from_dict(d))
+    s = make_samples(9, 1)[0]
+    s = replace(s, prompt=torch.randint(0, 512, (10,)), response=torch.randint(0, 512, (30,)),
+                advantage=1.0, loss_mask=None)   # log-probs of another length: not read here
+    lp = pt.compute_logprobs([s])[0]
+    assert torch.isnan(lp[22:]).all() and not torch.isnan(lp[:22]).any()
+    fed = replace(s, old_logprobs=lp, ref_logprobs=lp, rollout_logprobs=lp)
+    stats = pt.forward_backward([fed])
+    assert stats["tokens"] == 22 and stats["ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert pt.optim_step()["skipped"] is None
+    bad = lp.clone()
+    bad[21] = float("nan")
+    _expect(lambda: pt.forward_backward([replace(fed, old_logprobs=bad)]),
+            r"samples\[0\] \(draw 0\): old_logprobs\[21\]: nan is not finite")

@@ -144,5 +144,7 @@ def response_offsets(samples: list[Sample]) -> list[int]:
 
 
 def labelled(s: Sample) -> Sample:
-    """Every response token labelled (compute_logprobs ignores the loss mask)."""
-    return s if s.loss_mask is None else replace(s, loss_mask=None)
+    """The token ids alone, every response token labelled: compute_logprobs reads no training
+    field (nor checks them), so none is packed."""
+    return replace(s, advantage=0.0, old_logprobs=None, ref_logprobs=None,
+                   rollout_logprobs=None, loss_mask=None)

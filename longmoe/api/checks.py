@@ -6,8 +6,8 @@ Every message is one line naming the call, the sample (its position in the list 
 its `where`) and the field.
 
 Log-prob fields are read only at the tokens the loss trains (the loss mask, minus the first
-response token of an empty prompt, which nothing predicts): there they must be finite and at
-most LOGPROB_TOL. Untrained positions may hold anything, NaN included (compute_logprobs returns
+response token of an empty prompt, which nothing predicts, and tokens data.overlong cuts):
+there they must be finite and at most LOGPROB_TOL. Untrained positions may hold anything, NaN included (compute_logprobs returns
 NaN where it has no value).
 """
 
@@ -65,10 +65,11 @@ def _per_token(name: str, field: str, t, R: int, floating: bool = True) -> None:
 
 
 def check_samples(samples, what: str, vocab_size: int, require: dict[str, str] | None = None,
-                  signal: bool = True) -> None:
+                  signal: bool = True, kept: list[int] | None = None) -> None:
     """UserError for the first bad sample. `signal`: the training fields (advantage, log-probs,
     loss mask) are checked too; compute_logprobs reads the token ids alone. `require`: log-prob
-    fields the objective needs (field -> the setting that needs it)."""
+    fields the objective needs (field -> the setting that needs it). `kept`: per sample, the
+    response tokens data.overlong keeps (log-probs past them are never read)."""
     if not isinstance(samples, (list, tuple)):
         raise UserError(f"{what}: samples must be a list of longmoe.data.sample.Sample, got "
                         f"{type(samples).__name__}")
@@ -85,10 +86,10 @@ def check_samples(samples, what: str, vocab_size: int, require: dict[str, str] |
         if R == 0:
             raise UserError(f"{name}: response is empty")
         if signal:
-            _check_signal(name, s, R, require or {})
+            _check_signal(name, s, R, require or {}, R if kept is None else kept[k])
 
 
-def _check_signal(name: str, s: Sample, R: int, require: dict[str, str]) -> None:
+def _check_signal(name: str, s: Sample, R: int, require: dict[str, str], kept: int) -> None:
     a = s.advantage
     if isinstance(a, torch.Tensor):
         _per_token(name, "advantage", a, R)
@@ -108,6 +109,7 @@ def _check_signal(name: str, s: Sample, R: int, require: dict[str, str]) -> None
             j = int(((m != 0) & (m != 1)).nonzero()[0])
             raise UserError(f"{name}: loss_mask[{j}]: {m[j].item()!r} is not 0 or 1")
     keep = trained_positions(s)
+    keep[kept:] = False
     for field in LOGPROB_FIELDS:
         t = getattr(s, field)
         if t is None:

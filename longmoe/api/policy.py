@@ -127,25 +127,31 @@ class PolicyTrainer:
     # ---- samples -------------------------------------------------------------------------------
 
     def _checked(self, samples, what: str, call: str, signal: bool, extra=()):
-        """Host checks, then the agreement collective (checks.agree): the same verdict on every
-        rank before any collective of the model."""
-        error = None
+        """Host checks and the call's plan, then the agreement collective (checks.agree): the
+        same verdict on every rank before any collective of the model. Returns the plan."""
+        error = plan = None
         try:
             for check in extra:
                 check()
-            check_samples(samples, what, self.run.model.vocab_size,
-                          self.run.loss.required_logprobs(), signal=signal)
+            V, need = self.run.model.vocab_size, self.run.loss.required_logprobs()
+            check_samples(samples, what, V, signal=False)
+            plan = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
+                             what)
+            if signal:
+                kept = [max(n - s.prompt_len, 0) for s, n in zip(samples, plan.plan.lengths)]
+                check_samples(samples, what, V, need, signal=True, kept=kept)
         except UserError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - a peer must not wait for a rank that failed
             error = UserError(f"{what}: the samples could not be checked ({type(e).__name__}: "
                               f"{e})")
         agree(samples, what, error, call, self.layout.batch_group, self.device, signal)
+        return plan
 
     def counts(self, samples) -> dict:
         """{"tokens", "samples"}: what forward_backward(samples) normalises by (the trained
         tokens after data.overlong, and the samples with a trained token). Host only."""
-        check_samples(samples, "counts", self.run.model.vocab_size, signal=True)
+        check_samples(samples, "counts", self.run.model.vocab_size, signal=False)
         call = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
                          "counts")
         return {"tokens": call.tokens, "samples": call.samples}
@@ -165,11 +171,9 @@ class PolicyTrainer:
             n_tok, n_smp = step_counts(data.trained_tokens, data.trained_samples, self.layout,
                                        self.device)
         else:
-            self._checked(samples, what, f"forward_backward {num_tokens} {num_samples}", True,
-                          extra=(lambda: _count("num_tokens", num_tokens),
-                                 lambda: _count("num_samples", num_samples)))
-            call = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
-                             what)
+            call = self._checked(samples, what, f"forward_backward {num_tokens} {num_samples}",
+                                 True, extra=(lambda: _count("num_tokens", num_tokens),
+                                              lambda: _count("num_samples", num_samples)))
             data = rank_step_data(self.run, call, self.layout.data_rank)
             n_tok, n_smp = call.tokens, call.samples
         tokens = num_tokens if num_tokens is not None else n_tok
@@ -264,9 +268,8 @@ class PolicyTrainer:
         a data.overlong truncation, all of a dropped sample. with_entropy: (log-probs,
         entropies of the full softmax)."""
         what = "compute_logprobs"
-        self._checked(samples, what, f"compute_logprobs {bool(with_entropy)}", False)
+        call = self._checked(samples, what, f"compute_logprobs {bool(with_entropy)}", False)
         samples = list(samples)
-        call = plan_call(self.run, samples, self.layout.data_world, self.crossover, what)
         data = rank_step_data(self.run, call, self.layout.data_rank, transform=labelled)
         offsets = response_offsets(samples)
         T, k = offsets[-1], 2 if with_entropy else 1
