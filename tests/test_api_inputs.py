@@ -223,3 +223,32 @@ def test_truncated_samples_train_on_their_own_log_probs():
     bad[21] = float("nan")
     _expect(lambda: pt.forward_backward([replace(fed, old_logprobs=bad)]),
             r"samples\[0\] \(draw 0\): old_logprobs\[21\]: nan is not finite")
+
+
+def test_export_and_rollout_weights_are_the_trained_ones(tmp_path):
+    """After a step, export_hf writes the trained weights (a fresh model loads them back equal)
+    and named_weights_for_rollout yields the same tensors under the export's names."""
+    import json
+
+    from safetensors import safe_open
+
+    from longmoe.api import PolicyTrainer
+    from longmoe.model.hf import load_hf
+    from longmoe.train.config import from_dict
+    run = from_dict(_run_dict(random.randrange(1000)))
+    pt = PolicyTrainer(run)
+    pt.forward_backward(make_samples(4, 5))
+    pt.optim_step()
+    out = pt.export_hf(tmp_path / "hf")
+    fresh = PolicyTrainer(run).model
+    trained = dict(pt.model.named_parameters())
+    assert not all(torch.equal(p, trained[n]) for n, p in fresh.named_parameters())  # it moved
+    load_hf(fresh, out)
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, trained[n]), n
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    sent = {k: t for b in pt.named_weights_for_rollout(1 << 16) for k, t in b}
+    assert set(sent) == set(index["weight_map"])
+    for key, fname in index["weight_map"].items():
+        with safe_open(str(tmp_path / "hf" / fname), "pt") as f:
+            assert torch.equal(f.get_tensor(key), sent[key]), key
