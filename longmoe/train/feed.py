@@ -124,6 +124,17 @@ def check_data(run: RunConfig, source=None):
     if m == "padded":
         check_source(source, d.seq_len, d.overlong, 1, setting="data.seq_len")
         return source
+    check_budget_settings(run)
+    check_source(source, d.budget, d.overlong, pad_multiple(run))
+    return source
+
+
+def check_budget_settings(run: RunConfig) -> None:
+    """The token budget against the layout's row constraints (ConfigError naming the setting);
+    nothing to check without a budget."""
+    d = run.data
+    if d.budget is None:
+        return
     cp, mult = run.parallel.cp, pad_multiple(run)
     if cp > 1 and d.budget % (2 * cp):
         raise ConfigError("data.max_tokens_per_micro_batch",
@@ -136,8 +147,6 @@ def check_data(run: RunConfig, source=None):
         raise ConfigError("data.max_tokens_per_micro_batch",
                           f"{d.budget} gives context-parallel pieces shorter than the Gated "
                           f"DeltaNet conv history ({run.model.linear_conv_kernel - 1})")
-    check_source(source, d.budget, d.overlong, mult)
-    return source
 
 
 class Feed:

@@ -124,7 +124,7 @@ def forward_backward(model, batch: Batch, run: RunConfig, layout: Layout, global
 
 
 def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int, device,
-               global_samples: int | None = None):
+               global_samples: int | None = None, finish: bool = True):
     """One step over this rank's micro-batches (longmoe.train.feed.Micro; every rank runs the
     same number, collectives inside): each one's loss weights come from the step's global counts
     (N tokens, and samples for the seq-mean modes), so the accumulated gradient is the
@@ -132,7 +132,9 @@ def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int,
     balance is measured per micro-batch). FSDP reduces once, in the last backward
     (parallel.grad_sync=step; micro_batch, or a single rank: after every backward, into
     accumulating shards); replicated gradients sync once, after it; the routers' load becomes
-    the whole step's. Returns (loss, aux loss, logging sums) of this rank."""
+    the whole step's. Without `finish` the replicated sync and the experts' rescale are left
+    to the caller's one finish_grads before the optimizer step (several calls accumulating
+    into one step). Returns (loss, aux loss, logging sums) of this rank."""
     from torch.distributed.fsdp import FSDPModule
     M = len(micro)
     sync = (isinstance(model, FSDPModule) and M > 1 and layout.world > 1
@@ -150,7 +152,7 @@ def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int,
             if layout.cp > 1:
                 set_cp_row_length(model, layout, mb.row_len)
             loss, aux, st = forward_backward(model, batch, run, layout, global_tokens, positions,
-                                             global_samples, packing, finish=last,
+                                             global_samples, packing, finish=last and finish,
                                              aux_scale=1.0 / M)
             for acc, m in zip(load, moes):
                 acc += m.router.last_load

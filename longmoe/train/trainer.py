@@ -1,6 +1,7 @@
-"""The per-rank policy-update loop: build the layout and model, then for each step fetch this rank's
-micro-batches (longmoe.train.feed), run forward (linear-CE log-probs) and the RL loss, backward,
-accumulating over micro-batches (longmoe.train.step.accumulate), clip, AdamW, log, checkpoint.
+"""The CLI's per-rank policy-update loop on longmoe.api.PolicyTrainer (the same code path an RL
+framework calls): for each step fetch this rank's micro-batches (longmoe.train.feed), one
+forward_backward (linear-CE log-probs, the RL loss, backward accumulated over micro-batches) and
+one optim_step (clip, AdamW, schedule), then log and checkpoint.
 
 A step whose loss or gradient norm is non-finite on any rank is skipped: no AdamW update (its
 moments and step count stay), no master-weight copy, no router expert-bias update. The learning
@@ -20,20 +21,18 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from longmoe.api.policy import PolicyTrainer
 from longmoe.backends import active_backend, get_backend
 from longmoe.backends.base import Backend
 from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
-from longmoe.parallel.mesh import build_layout
 from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
-from longmoe.train.precision import MasterWeights
 from longmoe.train.impl_check import check_on_rank
-from longmoe.train.setup import all_finite, build_model, clip_grad_norm, torch_dtype
-from longmoe.train.step import accumulate, step_counts
+from longmoe.train.setup import all_finite
 from longmoe.train.supervise import TrainingStopped
 
 
@@ -86,25 +85,11 @@ def write_profile(prof, out_dir: str, rank: int, backend: Backend):
 
 
 def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.device) -> dict:
-    """Runs on every rank inside an initialised process group (or alone). Returns rank 0's summary."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    torch.manual_seed(run.train.seed + rank)
-    if backend.device_type != "cpu":
-        torch.set_float32_matmul_precision(run.impl.fp32_matmul)
-    layout = build_layout(backend.device_type, run.parallel.ep, run.parallel.cp)
-    model = build_model(run, layout, device)
-    o = run.optim
-    master = None
-    if not (run.parallel.fsdp and layout.dp_mesh is not None) and run.parallel.param_dtype != "float32":
-        master = MasterWeights(model, torch_dtype(run.parallel.param_dtype))
-    impl = o.impl if o.impl != "auto" else ("foreach" if backend.device_type == "cpu" else "fused")
-    kernel = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}
-    optim = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=o.lr,
-                              betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                              **kernel[impl])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
+    """Runs on every rank inside an initialised process group (or alone). Returns rank 0's summary.
+    Each step: this rank's share of the data source (longmoe.train.feed), one forward_backward
+    and one optim_step of a longmoe.api.PolicyTrainer, the step log, the checkpoint cadence."""
+    pt = PolicyTrainer(run, backend=backend, device=device)
+    rank, world, layout, model = pt.layout.rank, pt.layout.world, pt.layout, pt.model
     feed = Feed(run, layout.data_rank, layout.data_world)
     progress = Progress(rank == 0, run.train.steps, opts.metrics_out, backend.memory_label)
     data_counts = feed.counts()
@@ -121,10 +106,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         point = ckpt.resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change,
                                   full=False)  # the launcher checked every digest
         if point is not None:
-            ckpt.load(point, model, optim, backend)
+            pt.load_point(point)
             start = point.step
-            for _ in range(start):
-                sched.step()
             progress.info(f"resumed from {point.path} at step {start}")
             for note in point.notes:
                 progress.info(f"resume: {note}")
@@ -138,7 +121,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         why = "; ".join(f"not {k}: {v}" for k, v in gd["skipped"].items())
         progress.info(f"Gated DeltaNet core {gd['core']} ({why or 'asked ' + gd['asked']}), "
                       f"state scan {gd['state_scan']}")
-    progress.info(f"AdamW {impl}; fp32 matmuls "
+    progress.info(f"AdamW {pt.optim_impl}; fp32 matmuls "
                   f"{'highest (CPU)' if backend.device_type == 'cpu' else run.impl.fp32_matmul}")
     moes = model.moe_layers()
     if moes and layout.ep > 1:
@@ -147,46 +130,28 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                       f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
-    bad_in_a_row = first_bad = 0
+    first_bad = 0
     for step in range(start, run.train.steps):
         data = feed.step(step)
-        global_tokens, global_samples = step_counts(data.trained_tokens, data.trained_samples,
-                                                    layout, device)
         backend.synchronize()
         backend.reset_peak_memory()
         prof = (step_profiler(backend) if opts.profile_dir
                 and step == min(start + 2, run.train.steps - 1) else None)
         t0 = time.perf_counter()
         with prof or contextlib.nullcontext():
-            loss, aux, stats = accumulate(model, data.micro, run, layout, global_tokens, device,
-                                          global_samples)
-            if master:
-                master.grads_to_master()
-            gnorm, finite = clip_grad_norm(model, o.grad_clip, layout,
-                                           master.grad_of if master else None, loss=loss + aux)
-            skipped = "nonfinite" if not finite else "no_tokens" if global_tokens == 0 else None
-            if skipped is None:
-                optim.step()
-                if master:
-                    master.master_to_model()
-                for moe in model.moe_layers():
-                    moe.router.update_expert_bias()
-            optim.zero_grad(set_to_none=True)
-            sched.step()
+            stats = pt.forward_backward(data)
+            info = pt.optim_step(stop_on_bad=False)
             backend.synchronize()
         dt = time.perf_counter() - t0
         if prof is not None:
             write_profile(prof, opts.profile_dir, rank, backend)
             progress.info(f"profile of step {step + 1} (timed with the profiler on): "
                           f"{opts.profile_dir}")
-        if skipped == "nonfinite":
-            bad_in_a_row += 1
-            first_bad = step + 1 if bad_in_a_row == 1 else first_bad
-        elif skipped is None:
-            bad_in_a_row = 0
-        progress.step(step_metrics(run, layout, data, step, loss, aux, stats, gnorm, dt,
-                                   global_tokens, sched.get_last_lr()[0], backend, device,
-                                   peak_flops, skipped, bad_in_a_row))
+        bad_in_a_row = info["bad_steps"]
+        if info["skipped"] == "nonfinite" and bad_in_a_row == 1:
+            first_bad = step + 1
+        progress.step(step_metrics(run, layout, data, step, stats, info, dt, pt.lr, backend,
+                                   device, peak_flops))
         if bad_in_a_row >= run.train.max_bad_steps:
             progress.close()
             raise TrainingStopped(
@@ -202,7 +167,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                 raise TrainingStopped(f"training stopped after step {step + 1}: the parameters "
                                       f"are not finite, so they were not saved; "
                                       + _kept(opts))
-            path = ckpt.save(opts.checkpoint_dir, step + 1, model, optim, backend, run, identity)
+            path = ckpt.save(opts.checkpoint_dir, step + 1, model, pt.optim, backend, run,
+                             identity)
             progress.info(f"checkpoint: {path}")
             if not replaced:
                 removed, replaced = ckpt.remove_earlier(opts.checkpoint_dir, path), True
@@ -211,51 +177,54 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     if run.train.export_hf:
         if not all_finite(model.parameters(), layout, device):
             raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
-        from longmoe.model.hf import export_hf
-        out = export_hf(model, run.model, run.train.export_hf,
-                        dtype=torch.bfloat16 if device.type != "cpu" else torch.float32)
+        out = pt.export_hf(run.train.export_hf)
         progress.info(f"exported Hugging Face checkpoint: {out}")
     return progress.summary({"world": world, "backend": backend.name, **data_counts})
 
 
-def step_metrics(run: RunConfig, layout, data: StepData, step: int, loss, aux, stats, gnorm,
-                 dt: float, global_tokens: int, lr: float, backend: Backend, device,
-                 peak_flops, skipped, bad_in_a_row) -> dict:
-    """One row of the step log and --metrics-out. Rates and FLOPs count useful tokens only (the
-    samples' own, not padding): tokens_per_s is useful tokens per second of the slowest rank,
-    and the FLOPs are those of the samples as trained (attention per sample, longmoe.model.flops
-    with their lengths), so padding never counts as work done."""
+# The objective's per-token means beyond the ones every row has, logged when the objective
+# computes them (longmoe.api.policy.STATS).
+OPTIONAL_STATS = ("ratio", "kl", "tis_weight", "tis_clip_frac", "dual_clip_frac")
+
+
+def step_metrics(run: RunConfig, layout, data: StepData, step: int, stats: dict, info: dict,
+                 dt: float, lr: float, backend: Backend, device, peak_flops) -> dict:
+    """One row of the step log and --metrics-out from forward_backward's reduced `stats` and
+    optim_step's `info`. Rates and FLOPs count useful tokens only (the samples' own, not
+    padding): tokens_per_s is useful tokens per second of the slowest rank, and the FLOPs are
+    those of the samples as trained (attention per sample, longmoe.model.flops with their
+    lengths), so padding never counts as work done."""
     cp, world = layout.cp, layout.world
     fl = step_flops(run.model, 0, 0, run.parallel.recompute, lengths=data.lengths)
-    keys = ["entropy", "logprob_sum", "clip_frac"]
     # Quantities of a data rank sit on each of its cp ranks: summed over ranks, / cp.
-    vals = _sum([float(loss), float(aux), data.row_tokens / cp, sum(data.lengths) / cp,
-                 data.masked / cp, data.truncated / cp, fl.model / cp, fl.hardware / cp,
-                 data.cost / cp] + [float(stats.get(k, 0.0)) for k in keys], device)
+    vals = _sum([data.masked / cp, data.truncated / cp, fl.model / cp, fl.hardware / cp,
+                 data.cost / cp], device)
     peak, slowest, max_cost = _sum([backend.peak_memory_bytes(), dt, data.cost], device,
                                    dist.ReduceOp.MAX)
-    rows, useful = round(vals[2]), round(vals[3])
-    g = max(global_tokens, 1)
-    model_tflops = vals[6] / slowest / world / 1e12
-    mean_cost = vals[8] / layout.data_world
+    rows, useful = stats["row_tokens"], stats["useful_tokens"]
+    model_tflops = vals[2] / slowest / world / 1e12
+    mean_cost = vals[4] / layout.data_world
     over = data.overlong
-    return {
-        "step": step + 1, "loss": vals[0], "aux_loss": vals[1], "grad_norm": gnorm,
+    row = {
+        "step": step + 1, "loss": stats["loss"], "aux_loss": stats["aux_loss"],
+        "grad_norm": info["grad_norm"],
         "tokens_per_s": useful / slowest, "peak_mem_bytes": int(peak),
-        "step_time_s": slowest, "lr": lr, "entropy": vals[9] / g,
-        "mean_logprob": vals[10] / g, "clip_frac": vals[11] / g,
-        "trained_tokens": int(global_tokens), "tokens": rows, "useful_tokens": useful,
+        "step_time_s": slowest, "lr": lr, "entropy": stats.get("entropy", 0.0),
+        "mean_logprob": stats.get("mean_logprob", 0.0), "clip_frac": stats.get("clip_frac", 0.0),
+        "trained_tokens": int(stats["tokens"]), "tokens": rows, "useful_tokens": useful,
         "padding_share": (rows - useful) / rows if rows else 0.0,
         "micro_batches": len(data.micro),
         "empty_micro_batches": data.plan.empty_micro_batches if data.plan else 0,
         "rank_cost_imbalance": max_cost / mean_cost if mean_cost else 1.0,
         "model_tflops_per_gpu": model_tflops,
-        "hw_tflops_per_gpu": vals[7] / slowest / world / 1e12,
+        "hw_tflops_per_gpu": vals[3] / slowest / world / 1e12,
         "mfu": model_tflops * 1e12 / peak_flops if peak_flops else None,
-        "masked_samples": round(vals[4]),
-        "truncated_samples": round(vals[5]) + over.truncated,
+        "masked_samples": round(vals[0]),
+        "truncated_samples": round(vals[1]) + over.truncated,
         "dropped_samples": over.dropped, "truncated_tokens": over.truncated_tokens,
-        "skipped": skipped, "bad_steps": bad_in_a_row}
+        "skipped": info["skipped"], "bad_steps": info["bad_steps"]}
+    row.update({k: stats[k] for k in OPTIONAL_STATS if k in stats})
+    return row
 
 
 def _kept(opts: RunOptions) -> str:

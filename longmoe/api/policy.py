@@ -1,0 +1,369 @@
+"""PolicyTrainer: the policy-update surface an RL framework calls, SPMD (every rank builds the
+same object from one run config and makes the same calls in the same order).
+
+    pt = PolicyTrainer(run)                 # model, layout, AdamW, schedule, objective: once
+    stats = pt.forward_backward(samples)    # accumulate gradients (any number of calls)
+    info = pt.optim_step()                  # clip, AdamW, schedule: one optimizer step
+    lp = pt.compute_logprobs(samples)       # forward only, per sample, in input order
+    pt.save(d); pt.load(d); pt.export_hf(d); pt.named_weights_for_rollout(bucket_bytes)
+
+Normalisation: each forward_backward call's loss is normalised by the trained tokens (and, for
+the seq-mean aggregation modes, the samples) of that call's whole global list, so its gradient
+is the gradient of that list's mean loss however it is split over ranks and micro-batches; k
+calls before one optim_step sum k such losses (PPO's accumulation of mini-batch losses). A
+caller that splits one batch over several calls passes the whole batch's counts
+(`num_tokens`, `num_samples`; PolicyTrainer.counts), and then k calls equal one call of the
+union. docs/api.md has the full semantics.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from longmoe.api.batches import (labelled, plan_call, rank_step_data, response_offsets,
+                                 scatter_results, whole_rows)
+from longmoe.api.checks import agree, check_samples
+from longmoe.backends import active_backend, get_backend
+from longmoe.errors import UserError
+from longmoe.model.flops import balance_crossover
+from longmoe.parallel.mesh import build_layout, validate_layout
+from longmoe.rl.logprobs import compute_logprobs as forward_logprobs
+from longmoe.train import checkpoint as ckpt
+from longmoe.train.config import RunConfig, load_run_config
+from longmoe.train.feed import StepData, check_budget_settings
+from longmoe.train.precision import MasterWeights
+from longmoe.train.setup import (all_finite, build_model, clip_grad_norm, finish_grads,
+                                 set_cp_row_length, torch_dtype)
+from longmoe.train.step import accumulate, local_micro_batch, step_counts
+from longmoe.train.supervise import TrainingStopped
+
+# Objective statistics: (sum key of Objective.stats / policy_loss, name of its mean per token)
+STATS = (("clip_frac", "clip_frac"), ("ratio_sum", "ratio"), ("logprob_sum", "mean_logprob"),
+         ("entropy", "entropy"), ("kl_sum", "kl"), ("tis_weight_sum", "tis_weight"),
+         ("tis_clip_frac", "tis_clip_frac"), ("dual_clip_frac", "dual_clip_frac"))
+KERNEL = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}
+
+
+def _count(name: str, v) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UserError(f"forward_backward: {name} must be a positive int or None, got {v!r}")
+    return v
+
+
+class PolicyTrainer:
+    """See the module docstring. Attributes: model, layout, run, step (optimizer steps taken,
+    skipped ones included), backend, device, objective, optim, sched."""
+
+    def __init__(self, run: RunConfig, backend=None, device: torch.device | None = None):
+        if not isinstance(run, RunConfig):
+            raise UserError(f"PolicyTrainer: run must be a longmoe.train.config.RunConfig, got "
+                            f"{type(run).__name__}")
+        self.run = run
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        validate_layout(world, run.parallel.ep, run.model.num_experts, run.parallel.cp)
+        check_budget_settings(run)
+        self.backend = backend or (active_backend() if run.train.device == "auto"
+                                   else get_backend(run.train.device))
+        if device is None:  # one device per process: its node-local rank's
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            self.backend.set_device(local)
+            device = self.backend.device(local)
+        self.device = device
+        torch.manual_seed(run.train.seed + rank)
+        if self.backend.device_type != "cpu":
+            torch.set_float32_matmul_precision(run.impl.fp32_matmul)
+        self.layout = build_layout(self.backend.device_type, run.parallel.ep, run.parallel.cp)
+        self.model = build_model(run, self.layout, self.device)
+        o, par = run.optim, run.parallel
+        self.master = None
+        if not (par.fsdp and self.layout.dp_mesh is not None) and par.param_dtype != "float32":
+            self.master = MasterWeights(self.model, torch_dtype(par.param_dtype))
+        self.optim_impl = o.impl if o.impl != "auto" else (
+            "foreach" if self.backend.device_type == "cpu" else "fused")
+        params = self.master.parameters() if self.master else self.model.parameters()
+        self.optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps,
+                                       weight_decay=o.weight_decay, **KERNEL[self.optim_impl])
+        warm = o.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.optim, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.objective = run.loss.objective()
+        self.crossover = balance_crossover(run.model)
+        if self.crossover == float("inf"):
+            self.crossover = 1e300  # no full attention: cost is tokens alone
+        self.step = 0
+        self.bad_steps = 0
+        self._reset_pending()
+
+    @classmethod
+    def from_config(cls, path: str | None = None, overrides: list[str] | None = None,
+                    **kwargs) -> "PolicyTrainer":
+        return cls(load_run_config(path, list(overrides or [])), **kwargs)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step applies."""
+        return self.sched.get_last_lr()[0]
+
+    def _advance_schedule(self):
+        with warnings.catch_warnings():
+            # A skipped step (or a load) advances the schedule on purpose: the rate is a
+            # function of the step index. torch warns when no optimizer step came first.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.sched.step()
+
+    def _reset_pending(self):
+        self._calls = 0
+        self._tokens = 0
+        self._loss = None     # this rank's loss + aux loss over the pending calls (finite check)
+        self._load = [torch.zeros_like(m.router.last_load) for m in self.model.moe_layers()]
+
+    # ---- samples -------------------------------------------------------------------------------
+
+    def _checked(self, samples, what: str, call: str, signal: bool, extra=()):
+        """Host checks and the call's plan, then the agreement collective (checks.agree): the
+        same verdict on every rank before any collective of the model. Returns the plan."""
+        error = plan = None
+        try:
+            for check in extra:
+                check()
+            V, need = self.run.model.vocab_size, self.run.loss.required_logprobs()
+            check_samples(samples, what, V, signal=False)
+            plan = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
+                             what)
+            if signal:
+                kept = [max(n - s.prompt_len, 0) for s, n in zip(samples, plan.plan.lengths)]
+                check_samples(samples, what, V, need, signal=True, kept=kept)
+        except UserError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - a peer must not wait for a rank that failed
+            error = UserError(f"{what}: the samples could not be checked ({type(e).__name__}: "
+                              f"{e})")
+        agree(samples, what, error, call, self.layout.batch_group, self.device, signal)
+        return plan
+
+    def counts(self, samples) -> dict:
+        """{"tokens", "samples"}: what forward_backward(samples) normalises by (the trained
+        tokens after data.overlong, and the samples with a trained token). Host only."""
+        check_samples(samples, "counts", self.run.model.vocab_size, signal=False)
+        call = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
+                         "counts")
+        return {"tokens": call.tokens, "samples": call.samples}
+
+    def forward_backward(self, samples, num_tokens: int | None = None,
+                         num_samples: int | None = None) -> dict:
+        """Forward and backward of the objective over `samples` (the same global list on every
+        rank; or a longmoe.train.feed.StepData: this rank's share, already planned), gradients
+        added to those of earlier calls since the last optim_step. `num_tokens` /
+        `num_samples`: the normalisers (default: this call's own). Returns python floats
+        reduced over ranks: loss, aux_loss, tokens, samples, micro_batches, padding_share and
+        the objective's per-token means (clip_frac, ratio, mean_logprob, and where the
+        objective computes them entropy, kl, tis_weight, tis_clip_frac, dual_clip_frac)."""
+        what = "forward_backward"
+        if isinstance(samples, StepData):
+            data = samples
+            n_tok, n_smp = step_counts(data.trained_tokens, data.trained_samples, self.layout,
+                                       self.device)
+        else:
+            call = self._checked(samples, what, f"forward_backward {num_tokens} {num_samples}",
+                                 True, extra=(lambda: _count("num_tokens", num_tokens),
+                                              lambda: _count("num_samples", num_samples)))
+            data = rank_step_data(self.run, call, self.layout.data_rank)
+            n_tok, n_smp = call.tokens, call.samples
+        tokens = num_tokens if num_tokens is not None else n_tok
+        nsamp = num_samples if num_samples is not None else n_smp
+        loss, aux, stats = accumulate(self.model, data.micro, self.run, self.layout, tokens,
+                                      self.device, nsamp, finish=False)
+        for acc, m in zip(self._load, self.model.moe_layers()):
+            acc += m.router.last_load
+        both = (loss + aux).detach()
+        self._loss = both if self._loss is None else self._loss + both
+        self._calls += 1
+        self._tokens += n_tok
+        return self._reduce(loss, aux, stats, data, n_tok, n_smp)
+
+    def _reduce(self, loss, aux, stats, data: StepData, n_tok: int, n_smp: int) -> dict:
+        """The call's statistics summed over ranks: one all-reduce and one host read (the
+        device values are stacked where they are, not read one by one)."""
+        cp, dev = self.layout.cp, self.device
+        f64 = lambda v: torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(())  # noqa: E731
+        on_device = torch.stack([f64(loss.detach()), f64(aux.detach())]
+                                + [f64(stats[k].detach() if torch.is_tensor(stats[k]) else stats[k])
+                                   if k in stats else f64(0.0) for k, _ in STATS])
+        host = torch.tensor([data.row_tokens / cp, sum(data.lengths) / cp]
+                            + [float(k in stats) for k, _ in STATS], dtype=torch.float64,
+                            device=dev)
+        t = torch.cat([on_device, host])
+        if self.layout.world > 1:
+            dist.all_reduce(t, group=self.layout.batch_group)
+        v = t.tolist()
+        n = len(STATS)
+        sums, (rows, useful), present = v[2:2 + n], v[2 + n:4 + n], v[4 + n:]
+        g = max(n_tok, 1)
+        out = {"loss": v[0], "aux_loss": v[1], "tokens": n_tok, "samples": n_smp,
+               "micro_batches": len(data.micro),
+               "padding_share": (rows - useful) / rows if rows else 0.0,
+               "row_tokens": round(rows), "useful_tokens": round(useful)}
+        for (_, name), total, have in zip(STATS, sums, present):
+            if have:
+                out[name] = total / g
+        return out
+
+    def optim_step(self, stop_on_bad: bool = True) -> dict:
+        """Apply the gradients of the forward_backward calls since the last optim_step: clip to
+        optim.grad_clip, AdamW, the schedule. A step whose loss or gradient norm is non-finite on
+        any rank, or that trained no token, applies no update (skipped: "nonfinite" or
+        "no_tokens"); the schedule advances anyway. train.max_bad_steps non-finite steps in a row
+        raise TrainingStopped (`stop_on_bad=False`: never; watch info["bad_steps"]). Returns
+        {"grad_norm", "lr" (applied), "step" (steps taken), "skipped", "bad_steps"}."""
+        if self._calls == 0:
+            raise UserError("optim_step: no forward_backward since the last optim_step: there "
+                            "is no gradient to apply")
+        model, o = self.model, self.run.optim
+        finish_grads(model, self.layout, self.run.parallel.fsdp)
+        if self.master:
+            self.master.grads_to_master()
+        gnorm, finite = clip_grad_norm(model, o.grad_clip, self.layout,
+                                       self.master.grad_of if self.master else None,
+                                       loss=self._loss)
+        skipped = "nonfinite" if not finite else "no_tokens" if self._tokens == 0 else None
+        if skipped is None:
+            self.optim.step()
+            if self.master:
+                self.master.master_to_model()
+            for acc, m in zip(self._load, model.moe_layers()):
+                m.router.last_load.copy_(acc)
+                m.router.update_expert_bias()
+        self.optim.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        lr = self.lr
+        self._advance_schedule()
+        self.step += 1
+        self._reset_pending()
+        if skipped == "nonfinite":
+            self.bad_steps += 1
+        elif skipped is None:
+            self.bad_steps = 0
+        info = {"grad_norm": gnorm, "lr": lr, "step": self.step, "skipped": skipped,
+                "bad_steps": self.bad_steps}
+        if stop_on_bad and self.bad_steps >= self.run.train.max_bad_steps:
+            raise TrainingStopped(
+                f"optim_step: {self.bad_steps} steps in a row (up to step {self.step}) had a "
+                f"non-finite loss or gradient norm and applied no update "
+                f"(train.max_bad_steps={self.run.train.max_bad_steps})")
+        return info
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples, with_entropy: bool = False):
+        """Per sample (input order, every rank), the log-probs of its response tokens under the
+        current weights: fp32 CPU tensors of the response's length, forward only through the
+        LM head's linear cross-entropy. The loss mask is ignored (every response token gets
+        its value); NaN where there is none: the first token of an empty prompt, tokens past
+        a data.overlong truncation, all of a dropped sample. with_entropy: (log-probs,
+        entropies of the full softmax)."""
+        what = "compute_logprobs"
+        call = self._checked(samples, what, f"compute_logprobs {bool(with_entropy)}", False)
+        samples = list(samples)
+        data = rank_step_data(self.run, call, self.layout.data_rank, transform=labelled)
+        offsets = response_offsets(samples)
+        T, k = offsets[-1], 2 if with_entropy else 1
+        # values then "has a value" per field; each token is written by one rank only (the
+        # first of its CP group), so the sum is exact.
+        flat = torch.zeros(2 * k * T, dtype=torch.float32, device=self.device)
+        results = []
+        for mb in data.micro:
+            batch, positions, packing = local_micro_batch(mb.batch, mb.packed, self.layout,
+                                                          self.device)
+            if self.layout.cp > 1:
+                set_cp_row_length(self.model, self.layout, mb.row_len)
+            lp, ent = forward_logprobs(self.model, batch.input_ids, batch.labels, positions,
+                                       packing, with_entropy)
+            got = [whole_rows(lp, mb.row_len, self.layout)]
+            if with_entropy:
+                got.append(whole_rows(ent, mb.row_len, self.layout))
+            results.append(got)
+        # A forward with no backward leaves the FSDP units that skip resharding after forward
+        # (the LM head's) unsharded, their module attributes plain tensors: the next gradient
+        # norm would miss their gradients and pt.model would show stale weights after a step.
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        if self.layout.cp_rank == 0:
+            for f in range(k):
+                scatter_results(call, [r[f] for r in results], self.layout.data_rank, offsets,
+                                flat[f * T:(f + 1) * T])
+                per_micro = [torch.ones_like(r[f]) for r in results]
+                scatter_results(call, per_micro, self.layout.data_rank, offsets,
+                                flat[(k + f) * T:(k + f + 1) * T])
+        if self.layout.world > 1:
+            dist.all_reduce(flat, group=self.layout.batch_group)
+        flat = flat.cpu()
+        outs = []
+        for f in range(k):
+            vals, has = flat[f * T:(f + 1) * T], flat[(k + f) * T:(k + f + 1) * T]
+            vals = torch.where(has > 0, vals, float("nan"))
+            outs.append([vals[offsets[i]:offsets[i + 1]].clone() for i in range(len(samples))])
+        return (outs[0], outs[1]) if with_entropy else outs[0]
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def named_weights_for_rollout(self, bucket_bytes: int, dtype: torch.dtype | None = None,
+                                  senders: str = "owners"):
+        """longmoe.rl.weights.named_weights_for_rollout of this trainer's model (every rank
+        drains the iterator)."""
+        from longmoe.rl.weights import named_weights_for_rollout
+        return named_weights_for_rollout(self.model, self.run, self.layout, bucket_bytes, dtype,
+                                         senders)
+
+    def _identity(self) -> dict:
+        return ckpt.run_identity(self.run, self.layout.world, self.layout.ep, self.layout.cp)
+
+    def _finite_or_stop(self, what: str):
+        if not all_finite(self.model.parameters(), self.layout, self.device):
+            raise TrainingStopped(f"{what}: the parameters are not finite; nothing was written")
+
+    def save(self, directory) -> str:
+        """A DCP checkpoint of weights, AdamW state and generator states at DIR/step-N (N =
+        self.step), published atomically (longmoe.train.checkpoint). Gradients of pending
+        forward_backward calls are not saved. Returns the step directory."""
+        self._finite_or_stop("save")
+        return str(ckpt.save(directory, self.step, self.model, self.optim, self.backend,
+                             self.run, self._identity()))
+
+    def load(self, directory) -> str:
+        """Load the checkpoint DIR/latest names, after verifying every file against its manifest
+        (sizes and sha256); the model must match the run's. Returns the step directory."""
+        if self._calls:
+            raise UserError("load: forward_backward gradients are pending; call optim_step "
+                            "before loading (loading would drop them)")
+        point = ckpt.resume_point(directory, self.run, self._identity(),
+                                  allow_batch_change=True, full=True)
+        if point is None:
+            raise UserError(f"load: no checkpoint in {directory}")
+        self.load_point(point)
+        return str(point.path)
+
+    def load_point(self, point) -> None:
+        """Load a resolved longmoe.train.checkpoint.ResumePoint (the CLI's --resume); the
+        schedule continues at its step."""
+        ckpt.load(point, self.model, self.optim, self.backend)
+        self.step = point.step
+        self.sched.last_epoch = point.step - 1
+        self._advance_schedule()
+        self.bad_steps = 0
+
+    def export_hf(self, directory, dtype: torch.dtype | None = None) -> str:
+        """A Hugging Face checkpoint directory (longmoe.model.hf.export_hf; every rank calls
+        it). dtype: default bf16 on accelerators, fp32 on CPU."""
+        self._finite_or_stop("export_hf")
+        from longmoe.model.hf import export_hf
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type != "cpu" else torch.float32
+        return str(export_hf(self.model, self.run.model, directory, dtype=dtype))
+
