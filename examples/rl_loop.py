@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 TASKS = ("sort", "reverse", "copy")
 
 
-# ---- the toy task ------------------------------------------------------------------------------
+# ---- the toy task --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Task:
@@ -133,7 +133,7 @@ def teacher_forced_logprobs(engine, prompts: torch.Tensor, responses: torch.Tens
     return logp.gather(-1, responses[..., None])[..., 0]
 
 
-# ---- one iteration ---------------------------------------------------------------------------------
+# ---- one iteration -------------------------------------------------------------------------------
 
 def make_samples(prompts, responses, rollout_lp, advantages, iteration: int):
     from longmoe.data.sample import Sample
@@ -216,7 +216,7 @@ def fmt(row: dict) -> str:
             f"{row['time_s']:.1f}s")
 
 
-# ---- ranks -----------------------------------------------------------------------------------------
+# ---- ranks ---------------------------------------------------------------------------------------
 
 def run_config(args):
     from longmoe.train.config import load_run_config
