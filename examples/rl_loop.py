@@ -185,6 +185,7 @@ def iteration(args, task, pt, engine, it: int, rank: int) -> dict:
     per_mb = math.ceil(len(samples) / args.mini_batches)
     stats, infos = [], []
     for _ in range(args.epochs):
+        # Seeded alike on every rank: each mini-batch must be the same global list everywhere.
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(it))
         for j in range(args.mini_batches):
             mb = [samples[i] for i in order[j * per_mb:(j + 1) * per_mb].tolist()]
