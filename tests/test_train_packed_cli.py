@@ -146,3 +146,27 @@ def test_budget_config_errors():
         with pytest.raises(ConfigError) as e:
             from_dict({"data": data})
         assert str(e.value).startswith(field), (data, str(e.value))
+
+
+def test_objective_terms_in_the_step_log_and_metrics(tmp_path):
+    """The KL, truncated-IS and dual-clip statistics appear in the step log and --metrics-out
+    when the objective has those terms (the synthetic samples carry ref and rollout
+    log-probs)."""
+    cmd = [sys.executable, "-m", "longmoe", "train", "--config", "cpu_demo", "--nproc", "1",
+           "--set", "parallel.ep=1", "--set", "data.batch_size=4", "--set", "data.seq_len=32",
+           "--set", "data.prompt_len=8", "--set", "data.response_len=uniform:4:20",
+           "--set", f"data.max_tokens_per_micro_batch={BUDGET + 8}", "--set", "loss.kl_coef=0.1",
+           "--set", "loss.tis_cap=1.2", "--set", "loss.dual_clip_c=3", "--steps", "2",
+           "--metrics-out", "m.jsonl"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for k in ("ratio", "kl", "tis_weight", "tis_clip_frac", "dual_clip_frac"):
+            assert isinstance(r[k], float), (k, r)
+        assert 0 < r["tis_weight"] <= 1.2 and 0 <= r["tis_clip_frac"] <= 1
+        assert r["kl"] >= 0  # k3 is never negative
+        assert r["ratio"] > 0
+    out = " ".join(p.stdout.split())
+    assert "kl " in out and "tis " in out and "dual-clip " in out, out

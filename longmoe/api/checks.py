@@ -171,30 +171,32 @@ def agree(samples, what: str, error: UserError | None, call: str, group, device,
         return
     n = len(samples) if isinstance(samples, (list, tuple)) else -1
     per = sample_digests(samples, signal) if n > 0 else []
-    h = hashlib.sha256(call.encode())
+    h = hashlib.sha256()
     for d in per:
         h.update(d.to_bytes(8, "little"))
     d = int.from_bytes(h.digest()[:8], "little") >> 1
-    mine = torch.tensor([d, -d, n, -n, int(error is not None)], dtype=torch.int64, device=device)
+    c = int.from_bytes(hashlib.sha256(call.encode()).digest()[:8], "little") >> 1
+    mine = torch.tensor([c, -c, n, -n, d, -d, int(error is not None)], dtype=torch.int64,
+                        device=device)
     got = mine.clone()
     dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
-    if bool(got[4]):
+    same = lambda i, v: int(got[i]) == v and int(-got[i + 1]) == v  # noqa: E731
+    if not same(0, c):
+        raise UserError(f"{what}: the ranks made different calls ({call} here): every rank "
+                        f"must make the same calls in the same order")
+    if bool(got[6]):
         raise error if error is not None else UserError(
             f"{what}: another rank rejected its samples, this rank's passed the checks: every "
             f"rank must pass the same list")
-    if int(got[2]) != n or int(-got[3]) != n:
+    if not same(2, n):
         raise UserError(f"{what}: the ranks passed lists of different lengths ({int(-got[3])} to "
                         f"{int(got[2])} samples, {n} here): every rank must pass the same list")
-    if int(got[0]) == d and int(-got[1]) == d:
+    if same(4, d):
         return
     rows = torch.tensor(per, dtype=torch.int64, device=device)
     lo, hi = -rows, rows.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=group)
-    differs = (hi != -lo).nonzero()
-    if differs.numel():
-        k = int(differs[0])
-        raise UserError(f"{what}: {sample_name(k, samples[k])} differs between ranks: every "
-                        f"rank must pass the same list")
-    raise UserError(f"{what}: the ranks made different calls ({call} here): every rank must "
-                    f"make the same call")
+    k = int((hi != -lo).nonzero()[0])
+    raise UserError(f"{what}: {sample_name(k, samples[k])} differs between ranks: every rank "
+                    f"must pass the same list")

@@ -69,7 +69,11 @@ class PolicyTrainer:
         check_budget_settings(run)
         self.backend = backend or (active_backend() if run.train.device == "auto"
                                    else get_backend(run.train.device))
-        self.device = device or self.backend.device(int(os.environ.get("LOCAL_RANK", rank)))
+        if device is None:  # one device per process: its node-local rank's
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            self.backend.set_device(local)
+            device = self.backend.device(local)
+        self.device = device
         torch.manual_seed(run.train.seed + rank)
         if self.backend.device_type != "cpu":
             torch.set_float32_matmul_precision(run.impl.fp32_matmul)

@@ -48,6 +48,20 @@ def _packing_note(m: dict) -> str:
     return out
 
 
+def _objective_note(m: dict) -> str:
+    """The objective's terms beyond the plain surrogate, when the run's objective has them."""
+    out = ""
+    if "kl" in m:
+        out += f"  kl {m['kl']:.4g}"
+    if "tis_weight" in m:
+        out += f"  tis {m['tis_weight']:.3f} (capped {m['tis_clip_frac']:.1%})"
+    if "dual_clip_frac" in m:
+        out += f"  dual-clip {m['dual_clip_frac']:.1%}"
+    if out and "ratio" in m:
+        out = f"  ratio {m['ratio']:.4f}" + out
+    return out
+
+
 def _skip_note(m: dict) -> str:
     if m.get("skipped") == "nonfinite":
         return (f"  SKIPPED: non-finite loss or gradient norm ({m.get('bad_steps', 1)} in a row), "
@@ -107,7 +121,7 @@ class Progress:
             f"{m['hw_tflops_per_gpu']:.3g} hw TFLOPS/rank"
             + (f"  MFU {m['mfu']:.1%}" if m.get("mfu") else "")
             + (f"  {masked} sample(s) with no trained token" if masked else "")
-            + _packing_note(m) + _skip_note(m))
+            + _objective_note(m) + _packing_note(m) + _skip_note(m))
 
     def close(self):
         if self.out:
