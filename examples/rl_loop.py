@@ -223,7 +223,7 @@ def run_config(args):
     from longmoe.train.config import load_run_config
     task = Task(args.task, args.digits, args.length)
     return load_run_config(None, [
-        "model.preset=tiny-hybrid", f"model.vocab_size={task.vocab_size}",
+        "model.preset=tiny-hybrid", f"model.vocab_size={task.vocab_size}", "train.device=cpu",
         # Plain-torch Gated DeltaNet core on CPU (no Triton interpreter in the loop).
         "impl.gated_delta=chunked",
         f"optim.lr={args.lr}", "optim.grad_clip=1.0", "loss.type=grpo",
