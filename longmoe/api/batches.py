@@ -117,8 +117,8 @@ def whole_rows(x_RS: torch.Tensor, row_len: int, layout) -> torch.Tensor:
     return out
 
 
-def scatter_results(call: CallPlan, samples: list[Sample], rows_by_micro, data_rank: int,
-                    offsets: list[int], flat: torch.Tensor) -> None:
+def scatter_results(call: CallPlan, rows_by_micro, data_rank: int, offsets: list[int],
+                    flat: torch.Tensor) -> None:
     """Write this data rank's per-token results (per micro-batch, [rows, tokens] whole rows)
     into `flat`, each sample's response tokens at offsets[k]:offsets[k] + R. Response token j
     of a sample at row offset o with prompt P is read at position o + P + j - 1; token 0 of an

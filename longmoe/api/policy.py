@@ -269,10 +269,10 @@ class PolicyTrainer:
             results.append(got)
         if self.layout.cp_rank == 0:
             for f in range(k):
-                scatter_results(call, samples, [r[f] for r in results], self.layout.data_rank,
-                                offsets, flat[f * T:(f + 1) * T])
+                scatter_results(call, [r[f] for r in results], self.layout.data_rank, offsets,
+                                flat[f * T:(f + 1) * T])
                 per_micro = [torch.ones_like(r[f]) for r in results]
-                scatter_results(call, samples, per_micro, self.layout.data_rank, offsets,
+                scatter_results(call, per_micro, self.layout.data_rank, offsets,
                                 flat[(k + f) * T:(k + f + 1) * T])
         if self.layout.world > 1:
             dist.all_reduce(flat, group=self.layout.batch_group)
