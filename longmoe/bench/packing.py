@@ -32,7 +32,7 @@ from pathlib import Path
 from longmoe.bench import write_json_and_table
 from longmoe.bench.train_path import _rows, _run
 
-# The issue-sized run: one H200 rank's share of a 64-sample GRPO step (mean response 6K tokens,
+# The full-size run: one H200 rank's share of a 64-sample GRPO step (mean response 6K tokens,
 # at most 32K with the prompt) in micro-batches of 32K tokens.
 FULL = {"config": "gpu_smoke", "samples": 64, "mean": 6144, "max_len": 32768, "budget": 32768,
         "prompt_len": 1024, "steps": 2, "padded_samples": 6, "ref_samples": 2,
