@@ -314,8 +314,11 @@ def test_check_source_before_training(tmp_path):
         check_source(src, 32)
     check_source(src, 32, overlong="truncate", pad_multiple=4)
     check_source(src, 40, pad_multiple=4)
-    with pytest.raises(ConfigError, match="longest prompt"):
-        check_source(src, 7, overlong="truncate")
+    lens = [len(r["prompt"]) for r in rows]
+    i = lens.index(max(lens))  # the first holding the longest prompt; a blank after every even row
+    with pytest.raises(ConfigError, match=rf"longest prompt \({max(lens)} tokens, "
+                                          rf"{path}:{i + 1 + (i + 1) // 2}\)"):
+        check_source(src, max(lens), overlong="truncate")
     with pytest.raises(ConfigError, match="does not divide"):
         check_source(src, 38, pad_multiple=4)
     syn = SyntheticSource(V, 0, prompt_len=8, response_len="lognormal:20:100")

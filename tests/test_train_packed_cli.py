@@ -82,7 +82,7 @@ BAD_CLI = {
     "budget_below_longest_prompt": (["--set", "data.path=p.jsonl",
                                      "--set", "data.overlong=truncate"],
                                     [f"data.max_tokens_per_micro_batch: {BUDGET}",
-                                     "longest prompt (30 tokens)"]),
+                                     "longest prompt (30 tokens, p.jsonl:"]),
     # rows of 30 tokens cannot split into the 4 zigzag pieces of CP 2
     "budget_not_in_zigzag_pieces": (["--nproc", "2", "--set", "parallel.cp=2",
                                      "--set", "data.max_tokens_per_micro_batch=30"],

@@ -61,9 +61,11 @@ def fit_lengths(sizes: Sequence[tuple[int, int]], budget: int, policy: str,
 
 
 def check_budget(budget: int, pad_multiple: int = 1, longest_prompt: int | None = None,
-                 policy: str = "error", setting: str = BUDGET) -> None:
+                 policy: str = "error", setting: str = BUDGET, prompt_where: str | None = None
+                 ) -> None:
     """Startup checks of the budget against the row padding (the CP zigzag pieces) and the
-    longest prompt of a sized source, before any process group starts."""
+    longest prompt of a sized source (`prompt_where`: the sample holding it, for the message),
+    before any process group starts."""
     if policy not in POLICIES:
         raise ConfigError("data.overlong", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     if budget < 1:
@@ -73,5 +75,6 @@ def check_budget(budget: int, pad_multiple: int = 1, longest_prompt: int | None 
                                    f"{pad_multiple} (2 x context-parallel size, for the zigzag "
                                    f"split)")
     if longest_prompt is not None and longest_prompt >= budget and policy != "drop":
+        at = f", {prompt_where}" if prompt_where else ""
         raise ConfigError(setting, f"{budget} is not longer than the longest prompt "
-                                   f"({longest_prompt} tokens)")
+                                   f"({longest_prompt} tokens{at})")

@@ -46,7 +46,9 @@ def check_source(source: Source, budget: int, overlong: str = "error",
     the longest prompt, and under data.overlong=error every sample against the budget.
     `setting` names the limit in messages (the budget, or data.seq_len for padded rows)."""
     longest_prompt, longest = source.longest()
-    check_budget(budget, pad_multiple, longest_prompt, overlong, setting)
+    locate = getattr(source, "longest_prompt_at", None)  # file sources: name the sample
+    where = source.where(locate()) if locate and longest_prompt >= budget else None
+    check_budget(budget, pad_multiple, longest_prompt, overlong, setting, where)
     if overlong != "error" or longest <= budget:
         return
     if source.num_samples is None:

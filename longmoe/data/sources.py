@@ -77,6 +77,10 @@ class _Indexed:
         return int(self.prompt_lens.max()), int((self.prompt_lens.astype(np.int64)
                                                  + self.response_lens).max())
 
+    def longest_prompt_at(self) -> int:
+        """The first sample holding the longest prompt (for messages)."""
+        return int(np.argmax(self.prompt_lens))
+
     def first_longer_than(self, budget: int) -> int | None:
         """The first sample longer than `budget` tokens, from the index alone."""
         over = np.flatnonzero(self.prompt_lens.astype(np.int64) + self.response_lens > budget)
