@@ -24,14 +24,41 @@ from longmoe.ops.kernels.gated_delta_fwd import (_chunk_rows, _decay, _load_gamm
 
 
 @triton.jit
+def _states_bwd_step(dS, c, q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr, dvi_ptr, dh_ptr,
+                     dvn_ptr, b, h, hk, v0, T, n, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr,
+                     C: tl.constexpr, BV: tl.constexpr, HAS_STARTS: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Chunk c of the reverse pass: stores dS_{c+1} and dv_new, returns dS_c."""
+    t, ok = _chunk_rows(c, T, C)
+    tl.store(dh_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV),
+             dS.to(dh_ptr.dtype.element_ty))
+    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
+    seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    dt = k.dtype
+    k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
+    dvn = _load_rows(dvi_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
+    dvn += tl.dot(k_end.to(dt), dS.to(dt), input_precision=PRECISION)
+    _store_rows(dvn_ptr, dvn, b, t, ok, T, Hv, h, DV, v0, BV)
+    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    q_dec = q * (tl.exp(gam) * first.to(tl.float32))[:, None]
+    do = _load_rows(do_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
+    w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
+    dS = dS * (tl.exp(g_last) * carry.to(tl.float32))
+    dS += tl.dot(tl.trans(q_dec.to(dt)), do, input_precision=PRECISION)
+    dS -= tl.dot(tl.trans(w), dvn.to(dt), input_precision=PRECISION)
+    return dS
+
+
+@triton.jit
 def gdn_states_bwd_kernel(q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr, dvi_ptr, dht_ptr,
                           dh_ptr, dvn_ptr, dh0_ptr, T, n, Hk, Hv, DK: tl.constexpr,
                           DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                           HAS_STARTS: tl.constexpr, HAS_DHT: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, COUNTED: tl.constexpr):
     """Per (BV value columns, value head): the reverse pass over chunks, dS in fp32 registers;
-    writes every chunk's end-state gradient (dh), dv_new (fp32) and the initial state's
-    gradient."""
+    writes every chunk's end-state gradient (dh), dv_new and the initial state's gradient.
+    COUNTED as in gdn_states_kernel."""
     v0 = tl.program_id(0) * BV
     bh = tl.program_id(1)
     b, h = bh // Hv, bh % Hv
@@ -43,26 +70,18 @@ def gdn_states_bwd_kernel(q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr, dvi_
         dS = tl.load(dht_ptr + fin).to(tl.float32)
     else:
         dS = tl.zeros([DK, BV], dtype=tl.float32)
-    for i in range(n):
-        c = n - 1 - i
-        t, ok = _chunk_rows(c, T, C)
-        tl.store(dh_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV),
-                 dS.to(dh_ptr.dtype.element_ty))
-        gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
-        seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-        k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-        dt = k.dtype
-        k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
-        dvn = _load_rows(dvi_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
-        dvn += tl.dot(k_end.to(dt), dS.to(dt), input_precision=PRECISION)
-        _store_rows(dvn_ptr, dvn, b, t, ok, T, Hv, h, DV, v0, BV)
-        q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-        q_dec = q * (tl.exp(gam) * first.to(tl.float32))[:, None]
-        do = _load_rows(do_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
-        w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
-        dS = dS * (tl.exp(g_last) * carry.to(tl.float32))
-        dS += tl.dot(tl.trans(q_dec.to(dt)), do, input_precision=PRECISION)
-        dS -= tl.dot(tl.trans(w), dvn.to(dt), input_precision=PRECISION)
+    if COUNTED:
+        for i in range(n):
+            dS = _states_bwd_step(dS, n - 1 - i, q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr,
+                                  do_ptr, dvi_ptr, dh_ptr, dvn_ptr, b, h, hk, v0, T, n, Hk, Hv,
+                                  DK, DV, C, BV, HAS_STARTS, PRECISION)
+    else:
+        c = n - 1
+        while c >= 0:
+            dS = _states_bwd_step(dS, c, q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr,
+                                  dvi_ptr, dh_ptr, dvn_ptr, b, h, hk, v0, T, n, Hk, Hv, DK, DV,
+                                  C, BV, HAS_STARTS, PRECISION)
+            c -= 1
     tl.store(dh0_ptr + fin, dS)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from longmoe.ops.kernels import runtime_loop_bounds
 from longmoe.ops.kernels.gated_delta_bwd import (gdn_bwd_qk_kernel, gdn_bwd_wy_kernel,
                                                   gdn_states_bwd_kernel)
 from longmoe.ops.kernels.gated_delta_fwd import (gdn_output_kernel, gdn_prep_kernel,
@@ -70,7 +71,8 @@ def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
     ht = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
     _launch(gdn_states_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", k, w, u, gam, st,
             h0 if h0 is not None else ht, h, vn, ht, T, n, s.Hk, Hv, BV=s.BV,
-            HAS_STARTS=has_starts, HAS_H0=h0 is not None, PRECISION=prec, **s.dims)
+            HAS_STARTS=has_starts, HAS_H0=h0 is not None, PRECISION=prec,
+            COUNTED=runtime_loop_bounds(), **s.dims)
     return gam, tinv, w, h, vn, ht
 
 
@@ -113,7 +115,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
         _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", q, k, w,
                 gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
                 n, s.Hk, Hv, BV=s.BV, HAS_STARTS=starts is not None, HAS_DHT=dht is not None,
-                PRECISION=prec, **s.dims)
+                PRECISION=prec, COUNTED=runtime_loop_bounds(), **s.dims)
         del dvi, w
         f32 = dict(device=q.device, dtype=torch.float32)
         dv = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=v.dtype)

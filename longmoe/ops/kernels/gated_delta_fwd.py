@@ -161,12 +161,34 @@ def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr
 
 
 @triton.jit
+def _states_step(S, c, k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h_ptr, vn_ptr, b, h, hk, v0, T,
+                 n, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                 BV: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c of the forward state pass: stores S_c and v_new, returns S_{c+1}."""
+    t, ok = _chunk_rows(c, T, C)
+    tl.store(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV), S.to(h_ptr.dtype.element_ty))
+    w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
+    dt = w.dtype
+    u = _load_rows(u_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
+    vn = u - tl.dot(w, S.to(dt), input_precision=PRECISION)
+    _store_rows(vn_ptr, vn, b, t, ok, T, Hv, h, DV, v0, BV)
+    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
+    seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
+    return S * (tl.exp(g_last) * carry.to(tl.float32)) + tl.dot(
+        tl.trans(k_end.to(dt)), vn.to(dt), input_precision=PRECISION)
+
+
+@triton.jit
 def gdn_states_kernel(k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr,
                       T, n, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                       BV: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_H0: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, COUNTED: tl.constexpr):
     """Per (BV value columns, value head): the pass over chunks, S in fp32 registers; writes
-    every chunk's start state (h, input dtype), v_new and the final state (fp32)."""
+    every chunk's start state (h, input dtype), v_new and the final state (fp32). COUNTED: a
+    for loop over the chunks (Triton pipelines the loads of for loops only); otherwise the same
+    steps in a while loop, for interpreters that cannot take a run-time loop bound."""
     v0 = tl.program_id(0) * BV
     bh = tl.program_id(1)
     b, h = bh // Hv, bh % Hv
@@ -178,20 +200,16 @@ def gdn_states_kernel(k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h0_ptr, h_ptr, v
         S = tl.load(h0_ptr + fin).to(tl.float32)
     else:
         S = tl.zeros([DK, BV], dtype=tl.float32)
-    for c in range(n):
-        t, ok = _chunk_rows(c, T, C)
-        tl.store(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV), S.to(h_ptr.dtype.element_ty))
-        w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
-        dt = w.dtype
-        u = _load_rows(u_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
-        vn = u - tl.dot(w, S.to(dt), input_precision=PRECISION)
-        _store_rows(vn_ptr, vn, b, t, ok, T, Hv, h, DV, v0, BV)
-        gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
-        seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-        k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-        k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
-        S = S * (tl.exp(g_last) * carry.to(tl.float32)) + tl.dot(
-            tl.trans(k_end.to(dt)), vn.to(dt), input_precision=PRECISION)
+    if COUNTED:
+        for c in range(n):
+            S = _states_step(S, c, k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h_ptr, vn_ptr, b, h,
+                             hk, v0, T, n, Hk, Hv, DK, DV, C, BV, HAS_STARTS, PRECISION)
+    else:
+        c = 0
+        while c < n:
+            S = _states_step(S, c, k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h_ptr, vn_ptr, b, h,
+                             hk, v0, T, n, Hk, Hv, DK, DV, C, BV, HAS_STARTS, PRECISION)
+            c += 1
     tl.store(ht_ptr + fin, S)
 
 
