@@ -4,14 +4,15 @@ dk^-1/2 scale (longmoe/ops/gated_delta.py does those, adjacent).
 
 Legend as in gated_delta_fwd.py: B, T, Hk, Hv, DK, DV, C, n.
 
-Saved for backward: q, k, v, g, beta (the inputs), the initial state and the starts; the
-backward recomputes gamma, Tinv, w, u, the chunk states and v_new with the forward's own kernels
-(one more prep and state pass) rather than keeping ~1 GiB of bf16 chunk states per layer at 64K
-tokens (32 value heads of 128 x 128): the model recomputes every layer anyway, and those two
-launches are the cheap part of the backward. Transient in the backward, at 64K tokens and
-C = 64 in bf16: the chunk states and their gradients (1 GiB each), Tinv (fp32, 512 MiB), v_new
-and dv (512 MiB each), dv_new and the per-value-head dq and dk (fp32, 1 GiB each): ~5.5 GiB at
-the peak (the WY-gradient kernel), once per layer under recompute.
+Saved for backward: q, k, v, beta, the initial state and the starts, and what the forward
+made on the way: gamma, Tinv, w, the chunk start states h and v_new (u is not needed). At 64K
+tokens, 32 value heads of 128 x 128, C = 64 in bf16 that is 2.5 GiB per layer beyond the
+inputs (h 1 GiB, Tinv fp32, w and v_new 512 MiB each). Recomputing them instead repeats the
+forward's prep and state passes inside every backward; under full recompute (how the model
+trains at these lengths) the layer's forward runs right before its backward and nothing is
+saved in the first pass, so keeping them costs no more than recomputing them there. Transient in the
+backward: the end-state gradients (1 GiB), P^T do and dv_new (fp32, 1 GiB each), dv (512 MiB),
+the per-value-head dq and dk (fp32, 1 GiB each), once per layer.
 """
 
 from __future__ import annotations
@@ -93,19 +94,19 @@ class ChunkedGatedDelta(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, starts):
         cfg, prec = kernel_config()
         s = _Shapes(q, v, cfg)
-        gam, _, _, h, vn, ht = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
+        gam, tinv, w, h, vn, ht = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
         o = _intra(q, k, gam, starts, h, vn, s, cfg, prec, adjoint=False)
-        ctx.save_for_backward(q, k, v, g, beta, h0, starts)
+        ctx.save_for_backward(q, k, v, beta, h0, starts, gam, tinv, w, h, vn)
         ctx.cfg = cfg, prec
+        ctx.g_dtype = g.dtype
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, starts = ctx.saved_tensors
+        q, k, v, beta, h0, starts, gam, tinv, w, h, vn = ctx.saved_tensors
         cfg, prec = ctx.cfg
         s = _Shapes(q, v, cfg)
         B, T, Hv, n = s.B, s.T, s.Hv, s.n
-        gam, tinv, w, h, vn, _ = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
         do, dht = _dense(do), _dense(dht)
         dvi = _intra(q, k, gam, starts, h, do, s, cfg, prec, adjoint=True)   # P^T do
         st = starts if starts is not None else gam
@@ -116,7 +117,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
                 gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
                 n, s.Hk, Hv, BV=s.BV, HAS_STARTS=starts is not None, HAS_DHT=dht is not None,
                 PRECISION=prec, COUNTED=runtime_loop_bounds(), **s.dims)
-        del dvi, w
+        del dvi
         f32 = dict(device=q.device, dtype=torch.float32)
         dv = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=v.dtype)
         dkw = torch.empty(B, T, Hv, s.DK, **f32)
@@ -133,7 +134,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
             dq, dk = (x.view(B, T, s.Hk, Hv // s.Hk, s.DK).sum(3) for x in (dq, dk))
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype),
                 dbeta.to(beta.dtype), dh0 if h0 is not None else None, None)
 
 
