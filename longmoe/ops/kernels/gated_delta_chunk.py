@@ -11,7 +11,7 @@ inputs (h 1 GiB, Tinv fp32, w and v_new 512 MiB each). Recomputing them instead 
 forward's prep and state passes inside every backward; under full recompute (how the model
 trains at these lengths) the layer's forward runs right before its backward and nothing is
 saved in the first pass, so keeping them costs no more than recomputing them there. Transient in the
-backward: the end-state gradients (1 GiB), P^T do and dv_new (fp32, 1 GiB each), dv (512 MiB),
+backward: the end-state gradients (1 GiB), P^T do, dv_new and dv (512 MiB each),
 the per-value-head dq and dk (fp32, 1 GiB each), once per layer.
 """
 
@@ -78,7 +78,10 @@ def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
 
 
 def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool):
-    out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device, dtype=torch.float32)
+    # the output in fp32; P^T do in the inputs' dtype: its one reader adds it to the end state's
+    # part of dv_new in fp32 and rounds the sum to that dtype for its products anyway
+    out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device,
+                      dtype=q.dtype if adjoint else torch.float32)
     _launch(gdn_output_kernel, (s.n, s.B * s.Hv, s.DV // s.BVO), cfg, "num_warps", q, k, gam,
             starts if starts is not None else gam, h, x, out, s.T, s.n, s.Hk, s.Hv, BV=s.BVO,
             HAS_STARTS=starts is not None, ADJOINT=adjoint, PRECISION=prec, **s.dims)
@@ -111,7 +114,8 @@ class ChunkedGatedDelta(torch.autograd.Function):
         dvi = _intra(q, k, gam, starts, h, do, s, cfg, prec, adjoint=True)   # P^T do
         st = starts if starts is not None else gam
         dh = torch.empty_like(h)
-        dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=torch.float32)
+        # dv_new in the inputs' dtype: every product that reads it takes it in that dtype
+        dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
         dh0 = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
         _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", q, k, w,
                 gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
