@@ -145,17 +145,20 @@ def _gated_delta_specs():
         ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
               vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=f32, dk_ptr=f32, dg_ptr=f32),
-         ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
+         ("T", "n", "Hk", "Hv"), {}, "num_warps_qk", "BV_BWD"),
     ]
     specs = []
     for name, fn, ptrs, ints, extra, warps, block in kernels:
         sig = {**ptrs, **{i: "i32" for i in ints}}
-        consts = ("DK", "DV", "C", "BV", "HAS_STARTS", *extra, "PRECISION")
+        # the q/k-gradient kernel also takes a block of key columns
+        rows = ("BK",) if "BK" in fn.arg_names else ()
+        consts = ("DK", "DV", "C", "BV", *rows, "HAS_STARTS", *extra, "PRECISION")
         sig.update({c: "constexpr" for c in consts})
         specs.append(("gated_delta_chunk", name, fn, sig,
-                      lambda c, b=block, e=extra: {"DK": 128, "DV": 128, "C": c["CHUNK"],
-                                                   "BV": c[b], "HAS_STARTS": True, **e,
-                                                   "PRECISION": c.get("fp32_fast", "ieee")},
+                      lambda c, b=block, e=extra, r=rows: {
+                          "DK": 128, "DV": 128, "C": c["CHUNK"], "BV": c[b],
+                          **{k: min(c["BK_BWD"], 128) for k in r}, "HAS_STARTS": True, **e,
+                          "PRECISION": c.get("fp32_fast", "ieee")},
                       warps))
     return specs
 

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from longmoe.ops.kernels.gated_delta_fwd import (_chunk_rows, _decay, _load_gamma, _load_rows,
-                                                  _segments, _state_offs, _store_rows)
+                                                  _segments, _state_block, _state_offs,
+                                                  _store_rows)
 
 
 @triton.jit
@@ -149,26 +150,32 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
 def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr,
                       dkw_ptr, dgw_ptr, dq_ptr, dk_ptr, dg_ptr, T, n, Hk, Hv,
                       DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                      HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (chunk, value head): dq and the direct parts of dk (the output and the end state),
-    added to the WY parts (dkw, dgw); dg as the reverse cumulative sum of d gamma."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
+                      BK: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Per (BK key columns, chunk, value head): those columns of dq and of the direct parts of
+    dk (the output and the end state), added to the WY part (dkw); their share of dg, the
+    reverse cumulative sum of d gamma (every d gamma term is a sum over key columns, so the
+    shares add up; the first block adds the WY part dgw). Only dP = do v_new^T, a sum over
+    value columns, is formed by every block: BK < DK buys programs (parallelism) and fewer
+    accumulator registers for one C x C x DV product more per block."""
+    kb = tl.program_id(0)
+    k0 = kb * BK
+    c = tl.program_id(1)
+    bh = tl.program_id(2)
     b, h = bh // Hv, bh % Hv
     hk = h // (Hv // Hk)
     t, ok = _chunk_rows(c, T, C)
     tok = (b * T + t) * Hv + h
     gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
     seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
     dt = q.dtype
-    dq = tl.zeros([C, DK], dtype=tl.float32)
-    dke = tl.zeros([C, DK], dtype=tl.float32)
+    dq = tl.zeros([C, BK], dtype=tl.float32)
+    dke = tl.zeros([C, BK], dtype=tl.float32)
     dP = tl.zeros([C, C], dtype=tl.float32)
     s_ds = tl.full([], 0.0, tl.float32)     # sum(S_c * dS_{c+1}): gamma_last's carry term
     for v0 in range(0, DV, BV):
-        offs = _state_offs(b, c, n, h, Hv, DK, DV, v0, BV)
+        offs = _state_block(b, c, n, h, Hv, DK, DV, k0, BK, v0, BV)
         S = tl.load(h_ptr + offs)
         dS = tl.load(dh_ptr + offs)
         do = _load_rows(do_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
@@ -194,11 +201,11 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
     g_last_grad = tl.sum(R, 0) + tl.exp(g_last) * carry.to(tl.float32) * s_ds
     last_t = tl.minimum(c * C + C - 1, T - 1)
     dgam += tl.where(t == last_t, g_last_grad, 0.0)
-    dgam += tl.load(dgw_ptr + tok, mask=ok, other=0.0)
+    dgam += tl.where(kb == 0, tl.load(dgw_ptr + tok, mask=ok, other=0.0), 0.0)
     dgam = tl.where(ok, dgam, 0.0)
     # gamma_i = sum_{s <= i} g_s, so dg_s = sum_{i >= s} dgamma_i
     dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
-    tl.store(dg_ptr + tok, dg, mask=ok)
-    dk += _load_rows(dkw_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
-    _store_rows(dq_ptr, dq, b, t, ok, T, Hv, h, DK, 0, DK)
-    _store_rows(dk_ptr, dk, b, t, ok, T, Hv, h, DK, 0, DK)
+    tl.store(dg_ptr + kb.to(tl.int64) * (tl.num_programs(2) * T) + tok, dg, mask=ok)
+    dk += _load_rows(dkw_ptr, b, t, ok, T, Hv, h, DK, k0, BK)
+    _store_rows(dq_ptr, dq, b, t, ok, T, Hv, h, DK, k0, BK)
+    _store_rows(dk_ptr, dk, b, t, ok, T, Hv, h, DK, k0, BK)

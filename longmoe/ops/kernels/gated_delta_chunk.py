@@ -53,6 +53,7 @@ class _Shapes:
         self.BV = min(cfg["BV"], self.DV)           # state passes: columns per program
         self.BVO = min(cfg["BV_OUT"], self.DV)      # chunk-parallel kernels: column blocks
         self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the two per-chunk backward kernels
+        self.BKB = min(cfg["BK_BWD"], self.DK)      # key-column block of the q/k-gradient one
         self.dims = dict(DK=self.DK, DV=self.DV, C=self.C)
 
 
@@ -132,10 +133,12 @@ class ChunkedGatedDelta(torch.autograd.Function):
         del tinv, dvn
         # dk lands on its WY part in place: each program reads its rows before writing them
         dq, dk = torch.empty_like(dkw), dkw
-        dg = torch.empty(B, T, Hv, **f32)
-        _launch(gdn_bwd_qk_kernel, (n, B * Hv), cfg, "num_warps_bwd", q, k, gam, st, h, dh, do,
-                vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB,
+        nk = s.DK // s.BKB
+        dg = torch.empty(nk, B, T, Hv, **f32)   # each key-column block's share
+        _launch(gdn_bwd_qk_kernel, (nk, n, B * Hv), cfg, "num_warps_qk", q, k, gam, st, h, dh,
+                do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB, BK=s.BKB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
+        dg = dg.sum(0)
         if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
             dq, dk = (x.view(B, T, s.Hk, Hv // s.Hk, s.DK).sum(3) for x in (dq, dk))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype),

@@ -71,8 +71,16 @@ def _store_rows(ptr, val, b, t, ok, T, H, h, D: tl.constexpr, col0, W: tl.conste
 
 @triton.jit
 def _state_offs(b, c, n, h, Hv, DK: tl.constexpr, DV: tl.constexpr, col0, BV: tl.constexpr):
+    return _state_block(b, c, n, h, Hv, DK, DV, 0, DK, col0, BV)
+
+
+@triton.jit
+def _state_block(b, c, n, h, Hv, DK: tl.constexpr, DV: tl.constexpr, row0, BK: tl.constexpr,
+                 col0, BV: tl.constexpr):
+    """Offsets of rows row0..row0+BK, columns col0..col0+BV of chunk c's state."""
     base = ((b * n + c) * Hv + h).to(tl.int64) * DK * DV
-    return base + tl.arange(0, DK)[:, None] * DV + col0 + tl.arange(0, BV)[None, :]
+    return (base + (row0 + tl.arange(0, BK))[:, None] * DV + col0
+            + tl.arange(0, BV)[None, :])
 
 
 @triton.jit
