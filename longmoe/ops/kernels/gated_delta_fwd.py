@@ -99,22 +99,31 @@ def _decay(gam, seg, C: tl.constexpr, STRICT: tl.constexpr):
 def _invert_in_place(rows_ptr, row_stride, c, T, C: tl.constexpr):
     """(I + A)^-1 of the strictly lower-triangular C x C matrix A stored row by row at rows_ptr
     (row i of the chunk at rows_ptr + i * row_stride; rows past T are absent and read as 0),
-    overwritten in place, in 16 x 16 blocks and fp32: each diagonal block by forward
-    substitution (row i = e_i - sum_{j<i} A_ij row j), then block row r's off-diagonal blocks
-    T_rc = -T_rr sum_{c<=m<r} A_rm T_mc. The substitution runs on 16 rows, not C: one row at a
-    time is a reduction across the whole tile. Block rows read what earlier ones wrote, so
-    each ends with a barrier."""
+    overwritten in place, in 16 x 16 blocks and fp32: the C / 16 diagonal blocks by forward
+    substitution side by side (row i = e_i - sum_{j<i} A_ij row j: 15 dependent steps for all
+    of them, each a reduction across the tile), then block row r's off-diagonal blocks
+    T_rc = -T_rr sum_{c<=m<r} A_rm T_mc. Block rows read what earlier ones wrote, so each ends
+    with a barrier."""
+    NB: tl.constexpr = C // 16
     r16 = tl.arange(0, 16)
     eye = (r16[:, None] == r16[None, :]).to(tl.float32)
-    for bi in tl.static_range(C // 16):
+    rows = tl.arange(0, NB)[:, None] * 16 + r16[None, :]                    # [NB, 16]
+    diag_ptrs = (rows_ptr + rows.to(tl.int64)[:, :, None] * row_stride
+                 + (rows - r16[None, :])[:, :, None] + r16[None, None, :])  # [NB, 16, 16]
+    diag_ok = (c * C + rows < T)[:, :, None]
+    blk = tl.load(diag_ptrs, mask=diag_ok, other=0.0)
+    inv = tl.zeros([NB, 16, 16], dtype=tl.float32) + eye[None, :, :]
+    for i in range(1, 16):
+        pick = r16[None, :, None] == i
+        a_i = tl.sum(tl.where(pick, blk, 0.0), 1)                           # [NB, 16]
+        inv = tl.where(pick, eye[None, :, :] - tl.sum(a_i[:, :, None] * inv, 1)[:, None, :],
+                       inv)
+    tl.store(diag_ptrs, inv, mask=diag_ok)
+    tl.debug_barrier()
+    for bi in tl.static_range(1, NB):
         ok = c * C + bi * 16 + r16 < T
         row_ptrs = rows_ptr + (bi * 16 + r16).to(tl.int64)[:, None] * row_stride + r16[None, :]
-        blk = tl.load(row_ptrs + bi * 16, mask=ok[:, None], other=0.0)
-        inv = eye
-        for i in range(1, 16):
-            pick = r16[:, None] == i
-            a_i = tl.sum(tl.where(pick, blk, 0.0), 0)
-            inv = tl.where(pick, eye - tl.sum(a_i[:, None] * inv, 0)[None, :], inv)
+        t_rr = tl.load(row_ptrs + bi * 16, mask=ok[:, None], other=0.0)
         for cj in tl.static_range(bi):
             acc = tl.zeros([16, 16], dtype=tl.float32)
             for m in tl.static_range(cj, bi):
@@ -124,9 +133,8 @@ def _invert_in_place(rows_ptr, row_stride, c, T, C: tl.constexpr):
                                + cj * 16 + r16[None, :], mask=m_ok[:, None], other=0.0)
                 acc += tl.dot(a_rm, t_mc, input_precision="ieee")
             # A_r,cj is not read again (later columns start at m > cj), so it can be replaced
-            tl.store(row_ptrs + cj * 16, -tl.dot(inv, acc, input_precision="ieee"),
+            tl.store(row_ptrs + cj * 16, -tl.dot(t_rr, acc, input_precision="ieee"),
                      mask=ok[:, None])
-        tl.store(row_ptrs + bi * 16, inv, mask=ok[:, None])
         tl.debug_barrier()
 
 
