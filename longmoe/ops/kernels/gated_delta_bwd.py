@@ -103,8 +103,10 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
     seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
     beta = tl.load(beta_ptr + tok, mask=ok, other=0.0).to(tl.float32)
     cc = tl.arange(0, C)
-    tinv = tl.load(tinv_ptr + tok.to(tl.int64)[:, None] * C + cc[None, :], mask=ok[:, None],
-                   other=0.0)
+    # Tinv^T read as such (every product takes it transposed); in the inputs' dtype too, as the
+    # forward took it for w and u
+    tinv_t = tl.load(tinv_ptr + tok.to(tl.int64)[None, :] * C + cc[:, None], mask=ok[None, :],
+                     other=0.0)
     k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
     dt = k.dtype
     kscale = beta * tl.exp(gam) * first.to(tl.float32)
@@ -112,21 +114,21 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
     neg_dw = tl.zeros([C, DK], dtype=tl.float32)
     dtinv = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
+    tinv_td = tinv_t.to(dt)
     for v0 in range(0, DV, BV):
         S = tl.load(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV)).to(dt)
-        dvn = _load_rows(dvn_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
+        dvn = _load_rows(dvn_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
         v = _load_rows(v_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
-        neg_dw += tl.dot(dvn.to(dt), tl.trans(S), input_precision=PRECISION)
-        dtinv += tl.dot(dvn.to(dt), tl.trans((v * beta[:, None]).to(dt)),
-                        input_precision=PRECISION)
-        dvb = tl.dot(tl.trans(tinv), dvn, input_precision=PRECISION)   # d(beta v)
+        neg_dw += tl.dot(dvn, tl.trans(S), input_precision=PRECISION)
+        dtinv += tl.dot(dvn, tl.trans((v * beta[:, None]).to(dt)), input_precision=PRECISION)
+        dvb = tl.dot(tinv_td, dvn, input_precision=PRECISION)          # d(beta v)
         _store_rows(dv_ptr, dvb * beta[:, None], b, t, ok, T, Hv, h, DV, v0, BV)
         dbeta += tl.sum(dvb * v, 1)
     dw = -neg_dw
-    dkb = tl.dot(tl.trans(tinv), dw, input_precision=PRECISION)        # d(beta e^gamma k)
+    dkb = tl.dot(tinv_t, dw, input_precision=PRECISION)                # d(beta e^gamma k)
     dtinv += tl.dot(dw.to(dt), tl.trans(kb.to(dt)), input_precision=PRECISION)
     # d(I + A) = -Tinv^T dTinv Tinv^T; only A's strict lower part (same segment) is a variable
-    dA = -tl.dot(tl.dot(tl.trans(tinv), dtinv, input_precision=PRECISION), tl.trans(tinv),
+    dA = -tl.dot(tl.dot(tinv_t, dtinv, input_precision=PRECISION), tinv_t,
                  input_precision=PRECISION)
     kf = k.to(tl.float32)
     dk = dkb * kscale[:, None]
