@@ -140,9 +140,22 @@ class ChunkedGatedDelta(torch.autograd.Function):
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         dg = dg.sum(0)
         if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
-            dq, dk = (x.view(B, T, s.Hk, Hv // s.Hk, s.DK).sum(3) for x in (dq, dk))
+            dq, dk = _sum_groups(dq, s.Hk, q.dtype), _sum_groups(dk, s.Hk, k.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype),
                 dbeta.to(beta.dtype), dh0 if h0 is not None else None, None)
+
+
+def _sum_groups(x, Hk, dtype):
+    """[B, T, Hk * G, D] fp32 -> [B, T, Hk, D] in dtype, summed over each group of G heads in
+    fp32 and rounded once: the last add writes dtype directly, so the fp32 sum never goes
+    through memory (a sum over the group then a cast would write and reread it)."""
+    B, T, Hv, D = x.shape
+    xg = x.view(B, T, Hk, Hv // Hk, D)
+    acc = xg[:, :, :, 0]
+    for j in range(1, Hv // Hk - 1):
+        acc = acc + xg[:, :, :, j]
+    out = torch.empty(B, T, Hk, D, device=x.device, dtype=dtype)
+    return torch.add(acc, xg[:, :, :, -1], out=out)
 
 
 def _dense(x):
