@@ -110,7 +110,6 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
     k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
     dt = k.dtype
     kscale = beta * tl.exp(gam) * first.to(tl.float32)
-    kb = k * kscale[:, None]
     neg_dw = tl.zeros([C, DK], dtype=tl.float32)
     dtinv = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
@@ -124,16 +123,18 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
         dvb = tl.dot(tinv_td, dvn, input_precision=PRECISION)          # d(beta v)
         _store_rows(dv_ptr, dvb * beta[:, None], b, t, ok, T, Hv, h, DV, v0, BV)
         dbeta += tl.sum(dvb * v, 1)
-    dw = -neg_dw
-    dkb = tl.dot(tinv_t, dw, input_precision=PRECISION)                # d(beta e^gamma k)
-    dtinv += tl.dot(dw.to(dt), tl.trans(kb.to(dt)), input_precision=PRECISION)
+    # dw = -neg_dw, w = Tinv kb with kb = beta e^gamma k: the tiles live one after another
+    # (the kernel sits at the register limit)
+    dkb = -tl.dot(tinv_t, neg_dw, input_precision=PRECISION)           # d kb
+    dtinv -= tl.dot(neg_dw.to(dt), tl.trans((k * kscale[:, None]).to(dt)),
+                    input_precision=PRECISION)
+    r = tl.sum(dkb * k.to(tl.float32), 1)
+    dk = dkb * kscale[:, None]
+    dgam = r * kscale
+    dbeta += r * tl.exp(gam) * first.to(tl.float32)
     # d(I + A) = -Tinv^T dTinv Tinv^T; only A's strict lower part (same segment) is a variable
     dA = -tl.dot(tl.dot(tinv_t, dtinv, input_precision=PRECISION), tinv_t,
                  input_precision=PRECISION)
-    kf = k.to(tl.float32)
-    dk = dkb * kscale[:, None]
-    dgam = tl.sum(dkb * kb.to(tl.float32), 1)
-    dbeta += tl.sum(dkb * kf, 1) * tl.exp(gam) * first.to(tl.float32)
     # A_ij = beta_i (k_i.k_j) e^(gamma_i - gamma_j)
     dAE = dA * _decay(gam, seg, C, True)
     kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
