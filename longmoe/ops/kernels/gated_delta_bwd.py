@@ -5,7 +5,7 @@ state, per chunk (first/last/carry the segment masks of gated_delta_fwd.py):
   dv_new = P^T do + k_end dS_{c+1}                     (P^T do: gdn_output_kernel, ADJOINT)
   dS_c   = carry e^gamma_last dS_{c+1} + (q e^gamma first)^T do - w^T dv_new
                                                          (gdn_states_bwd_kernel, reverse pass)
-then, independently per chunk (gdn_bwd_wy_kernel, gdn_bwd_qk_kernel):
+then, independently per chunk (gdn_bwd_wy_kernel; gdn_bwd_qk_kernel, per block of key columns):
   u = Tinv (beta v), w = Tinv (beta e^gamma k):  dw = -dv_new S_c^T,
       dTinv = dv_new (beta v)^T + dw (beta e^gamma k)^T,  dA = -Tinv^T dTinv Tinv^T (strict lower)
   o and S_{c+1} directly:  dq = (e^gamma first) do S_c^T + (dP * decay) k,  dP = do v_new^T,

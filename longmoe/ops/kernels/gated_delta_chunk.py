@@ -10,9 +10,9 @@ tokens, 32 value heads of 128 x 128, C = 64 in bf16 that is 2.5 GiB per layer be
 inputs (h 1 GiB, Tinv fp32, w and v_new 512 MiB each). Recomputing them instead repeats the
 forward's prep and state passes inside every backward; under full recompute (how the model
 trains at these lengths) the layer's forward runs right before its backward and nothing is
-saved in the first pass, so keeping them costs no more than recomputing them there. Transient in the
-backward: the end-state gradients (1 GiB), P^T do, dv_new and dv (512 MiB each),
-the per-value-head dq and dk (fp32, 1 GiB each), once per layer.
+saved in the first pass, so keeping them costs no more than recomputing them there. Transient
+in the backward: the end-state gradients (1 GiB), P^T do, dv_new and dv (512 MiB each), the
+per-value-head dq and dk (fp32, 1 GiB each), once per layer.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ definition; gated_delta_chunk.py launches these and holds the backward's autogra
 
 Legend: B batch, T tokens, Hk/Hv key/value heads (a key head serves Hv/Hk value heads), C chunk
 length (a power of two >= 16), n = ceil(T / C) chunks, DK/DV head dims (powers of two >= 16:
-compile-time sizes, so no feature masks), BV a block of value columns. Token tensors are [B, T, H, D] contiguous; chunk
-states [B, n, Hv, DK, DV].
+compile-time sizes, so no feature masks), BV / BK a block of value / key columns. Token tensors
+are [B, T, H, D] contiguous; chunk states [B, n, Hv, DK, DV].
 
 Per chunk and value head, with gamma the cumulative log decay from the chunk start (fp32; only
 exponentials of differences <= 0 are formed, so g ~ -20 per token never overflows):
