@@ -150,14 +150,15 @@ def _gated_delta_specs():
     specs = []
     for name, fn, ptrs, ints, extra, warps, block in kernels:
         sig = {**ptrs, **{i: "i32" for i in ints}}
-        # the q/k-gradient kernel also takes a block of key columns
+        # the prep and q/k-gradient kernels also take a block of key columns
         rows = ("BK",) if "BK" in fn.arg_names else ()
         consts = ("DK", "DV", "C", "BV", *rows, "HAS_STARTS", *extra, "PRECISION")
         sig.update({c: "constexpr" for c in consts})
         specs.append(("gated_delta_chunk", name, fn, sig,
-                      lambda c, b=block, e=extra, r=rows: {
+                      lambda c, b=block, e=extra, r=rows,
+                      bk="BK_PREP" if name == "gdn_prep" else "BK_BWD": {
                           "DK": 128, "DV": 128, "C": c["CHUNK"], "BV": c[b],
-                          **{k: min(c["BK_BWD"], 128) for k in r}, "HAS_STARTS": True, **e,
+                          **{k: min(c[bk], 128) for k in r}, "HAS_STARTS": True, **e,
                           "PRECISION": c.get("fp32_fast", "ieee")},
                       warps))
     return specs

@@ -54,6 +54,7 @@ class _Shapes:
         self.BVO = min(cfg["BV_OUT"], self.DV)      # chunk-parallel kernels: column blocks
         self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the two per-chunk backward kernels
         self.BKB = min(cfg["BK_BWD"], self.DK)      # key-column block of the q/k-gradient one
+        self.BKP = min(cfg["BK_PREP"], self.DK)     # ...of the prep kernel's w
         self.dims = dict(DK=self.DK, DV=self.DV, C=self.C)
 
 
@@ -67,7 +68,7 @@ def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
     w = torch.empty(B, T, Hv, s.DK, device=q.device, dtype=q.dtype)
     u = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
     _launch(gdn_prep_kernel, (n, B * Hv), cfg, "num_warps", k, v, g, beta, st, gam, tinv, w, u,
-            T, s.Hk, Hv, BV=s.BVO, HAS_STARTS=has_starts, PRECISION=prec, **s.dims)
+            T, s.Hk, Hv, BV=s.BVO, BK=s.BKP, HAS_STARTS=has_starts, PRECISION=prec, **s.dims)
     h = torch.empty(B, n, Hv, s.DK, s.DV, device=q.device, dtype=q.dtype)
     vn = torch.empty_like(u)
     ht = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)

@@ -141,8 +141,10 @@ def _invert_in_place(rows_ptr, row_stride, c, T, C: tl.constexpr):
 @triton.jit
 def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr,
                     T, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                    BV: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (chunk, value head): gamma, Tinv = (I + A)^-1 (fp32, kept for the backward), w, u."""
+                    BV: tl.constexpr, BK: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Per (chunk, value head): gamma, Tinv = (I + A)^-1 (fp32, kept for the backward), w (by
+    blocks of BK key columns), u (of BV value columns)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // Hv, bh % Hv
@@ -164,12 +166,19 @@ def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr
     tl.store(tinv_ptr + tinv_offs, A, mask=ok[:, None])
     tl.debug_barrier()
     _invert_in_place(tinv_ptr + ((b * T + c * C) * Hv + h).to(tl.int64) * C, Hv * C, c, T, C)
-    tinv = tl.load(tinv_ptr + tinv_offs, mask=ok[:, None], other=0.0)
     dt = k.dtype
-    tinv_d = tinv.to(dt)
-    kb = k * (beta * tl.exp(gam) * first.to(tl.float32))[:, None]
-    w = tl.dot(tinv_d, kb.to(dt), input_precision=PRECISION)
-    _store_rows(w_ptr, w, b, t, ok, T, Hv, h, DK, 0, DK)
+    tinv_d = tl.load(tinv_ptr + tinv_offs, mask=ok[:, None], other=0.0).to(dt)
+    kscale = beta * tl.exp(gam) * first.to(tl.float32)
+    if BK == DK:
+        w = tl.dot(tinv_d, (k * kscale[:, None]).to(dt), input_precision=PRECISION)
+        _store_rows(w_ptr, w, b, t, ok, T, Hv, h, DK, 0, DK)
+    else:
+        # w by blocks of key columns, k read again (from cache): less of k, w and their fp32
+        # products alive at once, fewer registers where those bound the occupancy
+        for k0 in range(0, DK, BK):
+            kc = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+            w = tl.dot(tinv_d, (kc * kscale[:, None]).to(dt), input_precision=PRECISION)
+            _store_rows(w_ptr, w, b, t, ok, T, Hv, h, DK, k0, BK)
     for v0 in range(0, DV, BV):
         v = _load_rows(v_ptr, b, t, ok, T, Hv, h, DV, v0, BV)
         u = tl.dot(tinv_d, (v * beta[:, None]).to(dt), input_precision=PRECISION)
