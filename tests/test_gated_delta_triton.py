@@ -2,8 +2,9 @@
 the one-token-at-a-time reference in fp64, on CPU under TRITON_INTERPRET=1 (the host tiles use
 16-token chunks, so these lengths span several chunks and end in a partial one): output, final
 state and the gradients of q, k, v, g, beta and the initial state, for fp32 and fp16 inputs (bf16
-on GPUs), with strong decay (g down to -40 per token), GQA, packed sample starts (one at t = 0, one-token
-samples, a start on a chunk's first token) and fresh random inputs each run."""
+on GPUs), with strong decay (g down to -40 per token), GQA, packed sample starts (one at t = 0,
+one-token samples, a start on a chunk's first token), both forms of the state passes' chunk loop
+and fresh random inputs each run."""
 
 import json
 import random
@@ -22,7 +23,11 @@ CASES = {
     "fp32_plain": (1, 67, 2, 2, 32, 16, "float32", 1.0, False, False),
     "fp16_packed": (2, 77, 1, 2, 32, 32, "float16", 4.0, True, True),
     "fp32_chunk64_packed": (2, 130, 2, 4, 16, 16, "float32", 20.0, True, True),
+    "fp32_while_loop_packed": (1, 61, 1, 2, 16, 16, "float32", 20.0, True, True),
 }
+# the state passes' chunk loop as the while loop that interpreters without run-time for-loop
+# bounds run (runtime_loop_bounds() False), here forced where the for loop would run
+WHILE_LOOP = {"fp32_while_loop_packed"}
 # chunk length where not the host table's 16: 64 (the NVIDIA tiles) runs the block-wise
 # inverse's off-diagonal 16 x 16 blocks
 CHUNK = {"fp32_chunk64_packed": 64}
@@ -131,11 +136,17 @@ def test_declines_cpu_without_the_interpreter_and_auto_keeps_the_torch_core():
 
 if __name__ == "__main__":  # the interpreted half: one process for every case
     base = int(sys.argv[1])
+    from contextlib import nullcontext
+    from unittest import mock
+
     from longmoe.backends import active_backend
+    from longmoe.ops.kernels import gated_delta_chunk
     out = {}
     for i, (name, spec) in enumerate(CASES.items()):
-        with active_backend().kernel_overrides("gated_delta_chunk",
-                                               {"CHUNK": CHUNK[name]} if name in CHUNK else {}):
+        loop = (mock.patch.object(gated_delta_chunk, "runtime_loop_bounds", lambda: False)
+                if name in WHILE_LOOP else nullcontext())
+        tiles = {"CHUNK": CHUNK[name]} if name in CHUNK else {}
+        with active_backend().kernel_overrides("gated_delta_chunk", tiles), loop:
             out[name] = _case(*spec, seed=base + i)
     print(json.dumps(out))
 

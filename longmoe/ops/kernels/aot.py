@@ -125,36 +125,41 @@ def _gated_delta_specs():
               tinv_ptr=f32, w_ptr=bf, u_ptr=bf), ("T", "Hk", "Hv"), {}, "num_warps", "BV_OUT"),
         ("gdn_states", gf.gdn_states_kernel,
          dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gam_ptr=f32, starts_ptr=u8, h0_ptr=f32, h_ptr=bf,
-              vn_ptr=bf, ht_ptr=f32), ("T", "n", "Hk", "Hv"), {"HAS_H0": True},
+              vn_ptr=bf, ht_ptr=f32), ("T", "n", "Hk", "Hv"),
+         {"HAS_H0": True, "COUNTED": True},
          "num_warps_scan", "BV"),
         ("gdn_output", gf.gdn_output_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=bf, out_ptr=f32),
          ("T", "n", "Hk", "Hv"), {"ADJOINT": False}, "num_warps", "BV_OUT"),
         ("gdn_output[adjoint]", gf.gdn_output_kernel,
-         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=f32, out_ptr=f32),
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=f32, out_ptr=bf),
          ("T", "n", "Hk", "Hv"), {"ADJOINT": True}, "num_warps", "BV_OUT"),
         ("gdn_states_bwd", gb.gdn_states_bwd_kernel,
-         dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=f32, dvi_ptr=f32,
-              dht_ptr=f32, dh_ptr=bf, dvn_ptr=f32, dh0_ptr=f32), ("T", "n", "Hk", "Hv"),
-         {"HAS_DHT": True}, "num_warps_scan", "BV"),
+         dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=f32, dvi_ptr=bf,
+              dht_ptr=f32, dh_ptr=bf, dvn_ptr=bf, dh0_ptr=f32), ("T", "n", "Hk", "Hv"),
+         {"HAS_DHT": True, "COUNTED": True}, "num_warps_scan", "BV"),
         ("gdn_bwd_wy", gb.gdn_bwd_wy_kernel,
          dict(k_ptr=bf, v_ptr=bf, beta_ptr=bf, gam_ptr=f32, starts_ptr=u8, tinv_ptr=f32,
-              h_ptr=bf, dvn_ptr=f32, dv_ptr=bf, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
+              h_ptr=bf, dvn_ptr=bf, dv_ptr=bf, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
          ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
         ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
               vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=f32, dk_ptr=f32, dg_ptr=f32),
-         ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
+         ("T", "n", "Hk", "Hv"), {}, "num_warps_qk", "BV_BWD"),
     ]
     specs = []
     for name, fn, ptrs, ints, extra, warps, block in kernels:
         sig = {**ptrs, **{i: "i32" for i in ints}}
-        consts = ("DK", "DV", "C", "BV", "HAS_STARTS", *extra, "PRECISION")
+        # the prep and q/k-gradient kernels also take a block of key columns
+        rows = ("BK",) if "BK" in fn.arg_names else ()
+        consts = ("DK", "DV", "C", "BV", *rows, "HAS_STARTS", *extra, "PRECISION")
         sig.update({c: "constexpr" for c in consts})
         specs.append(("gated_delta_chunk", name, fn, sig,
-                      lambda c, b=block, e=extra: {"DK": 128, "DV": 128, "C": c["CHUNK"],
-                                                   "BV": c[b], "HAS_STARTS": True, **e,
-                                                   "PRECISION": c.get("fp32_fast", "ieee")},
+                      lambda c, b=block, e=extra, r=rows,
+                      bk="BK_PREP" if name == "gdn_prep" else "BK_BWD": {
+                          "DK": 128, "DV": 128, "C": c["CHUNK"], "BV": c[b],
+                          **{k: min(c[bk], 128) for k in r}, "HAS_STARTS": True, **e,
+                          "PRECISION": c.get("fp32_fast", "ieee")},
                       warps))
     return specs
 

@@ -5,7 +5,7 @@ state, per chunk (first/last/carry the segment masks of gated_delta_fwd.py):
   dv_new = P^T do + k_end dS_{c+1}                     (P^T do: gdn_output_kernel, ADJOINT)
   dS_c   = carry e^gamma_last dS_{c+1} + (q e^gamma first)^T do - w^T dv_new
                                                          (gdn_states_bwd_kernel, reverse pass)
-then, independently per chunk (gdn_bwd_wy_kernel, gdn_bwd_qk_kernel):
+then, independently per chunk (gdn_bwd_wy_kernel; gdn_bwd_qk_kernel, per block of key columns):
   u = Tinv (beta v), w = Tinv (beta e^gamma k):  dw = -dv_new S_c^T,
       dTinv = dv_new (beta v)^T + dw (beta e^gamma k)^T,  dA = -Tinv^T dTinv Tinv^T (strict lower)
   o and S_{c+1} directly:  dq = (e^gamma first) do S_c^T + (dP * decay) k,  dP = do v_new^T,
@@ -20,7 +20,35 @@ import triton
 import triton.language as tl
 
 from longmoe.ops.kernels.gated_delta_fwd import (_chunk_rows, _decay, _load_gamma, _load_rows,
-                                                  _segments, _state_offs, _store_rows)
+                                                  _segments, _state_block, _state_offs,
+                                                  _store_rows)
+
+
+@triton.jit
+def _states_bwd_step(dS, c, q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr, dvi_ptr, dh_ptr,
+                     dvn_ptr, b, h, hk, v0, T, n, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr,
+                     C: tl.constexpr, BV: tl.constexpr, HAS_STARTS: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """Chunk c of the reverse pass: stores dS_{c+1} and dv_new, returns dS_c."""
+    t, ok = _chunk_rows(c, T, C)
+    tl.store(dh_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV),
+             dS.to(dh_ptr.dtype.element_ty))
+    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
+    seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    dt = k.dtype
+    k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
+    dvn = _load_rows(dvi_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
+    dvn += tl.dot(k_end.to(dt), dS.to(dt), input_precision=PRECISION)
+    _store_rows(dvn_ptr, dvn, b, t, ok, T, Hv, h, DV, v0, BV)
+    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    q_dec = q * (tl.exp(gam) * first.to(tl.float32))[:, None]
+    do = _load_rows(do_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
+    w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
+    dS = dS * (tl.exp(g_last) * carry.to(tl.float32))
+    dS += tl.dot(tl.trans(q_dec.to(dt)), do, input_precision=PRECISION)
+    dS -= tl.dot(tl.trans(w), dvn.to(dt), input_precision=PRECISION)
+    return dS
 
 
 @triton.jit
@@ -28,10 +56,10 @@ def gdn_states_bwd_kernel(q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr, dvi_
                           dh_ptr, dvn_ptr, dh0_ptr, T, n, Hk, Hv, DK: tl.constexpr,
                           DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                           HAS_STARTS: tl.constexpr, HAS_DHT: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, COUNTED: tl.constexpr):
     """Per (BV value columns, value head): the reverse pass over chunks, dS in fp32 registers;
-    writes every chunk's end-state gradient (dh), dv_new (fp32) and the initial state's
-    gradient."""
+    writes every chunk's end-state gradient (dh), dv_new and the initial state's gradient.
+    COUNTED as in gdn_states_kernel."""
     v0 = tl.program_id(0) * BV
     bh = tl.program_id(1)
     b, h = bh // Hv, bh % Hv
@@ -43,26 +71,18 @@ def gdn_states_bwd_kernel(q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr, dvi_
         dS = tl.load(dht_ptr + fin).to(tl.float32)
     else:
         dS = tl.zeros([DK, BV], dtype=tl.float32)
-    for i in range(n):
-        c = n - 1 - i
-        t, ok = _chunk_rows(c, T, C)
-        tl.store(dh_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV),
-                 dS.to(dh_ptr.dtype.element_ty))
-        gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
-        seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-        k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-        dt = k.dtype
-        k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
-        dvn = _load_rows(dvi_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
-        dvn += tl.dot(k_end.to(dt), dS.to(dt), input_precision=PRECISION)
-        _store_rows(dvn_ptr, dvn, b, t, ok, T, Hv, h, DV, v0, BV)
-        q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-        q_dec = q * (tl.exp(gam) * first.to(tl.float32))[:, None]
-        do = _load_rows(do_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
-        w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
-        dS = dS * (tl.exp(g_last) * carry.to(tl.float32))
-        dS += tl.dot(tl.trans(q_dec.to(dt)), do, input_precision=PRECISION)
-        dS -= tl.dot(tl.trans(w), dvn.to(dt), input_precision=PRECISION)
+    if COUNTED:
+        for i in range(n):
+            dS = _states_bwd_step(dS, n - 1 - i, q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr,
+                                  do_ptr, dvi_ptr, dh_ptr, dvn_ptr, b, h, hk, v0, T, n, Hk, Hv,
+                                  DK, DV, C, BV, HAS_STARTS, PRECISION)
+    else:
+        c = n - 1
+        while c >= 0:
+            dS = _states_bwd_step(dS, c, q_ptr, k_ptr, w_ptr, gam_ptr, starts_ptr, do_ptr,
+                                  dvi_ptr, dh_ptr, dvn_ptr, b, h, hk, v0, T, n, Hk, Hv, DK, DV,
+                                  C, BV, HAS_STARTS, PRECISION)
+            c -= 1
     tl.store(dh0_ptr + fin, dS)
 
 
@@ -83,35 +103,38 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
     seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
     beta = tl.load(beta_ptr + tok, mask=ok, other=0.0).to(tl.float32)
     cc = tl.arange(0, C)
-    tinv = tl.load(tinv_ptr + tok.to(tl.int64)[:, None] * C + cc[None, :], mask=ok[:, None],
-                   other=0.0)
+    # Tinv^T read as such (every product takes it transposed); in the inputs' dtype too, as the
+    # forward took it for w and u
+    tinv_t = tl.load(tinv_ptr + tok.to(tl.int64)[None, :] * C + cc[:, None], mask=ok[None, :],
+                     other=0.0)
     k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
     dt = k.dtype
     kscale = beta * tl.exp(gam) * first.to(tl.float32)
-    kb = k * kscale[:, None]
     neg_dw = tl.zeros([C, DK], dtype=tl.float32)
     dtinv = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
+    tinv_td = tinv_t.to(dt)
     for v0 in range(0, DV, BV):
         S = tl.load(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV)).to(dt)
-        dvn = _load_rows(dvn_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
+        dvn = _load_rows(dvn_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
         v = _load_rows(v_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
-        neg_dw += tl.dot(dvn.to(dt), tl.trans(S), input_precision=PRECISION)
-        dtinv += tl.dot(dvn.to(dt), tl.trans((v * beta[:, None]).to(dt)),
-                        input_precision=PRECISION)
-        dvb = tl.dot(tl.trans(tinv), dvn, input_precision=PRECISION)   # d(beta v)
+        neg_dw += tl.dot(dvn, tl.trans(S), input_precision=PRECISION)
+        dtinv += tl.dot(dvn, tl.trans((v * beta[:, None]).to(dt)), input_precision=PRECISION)
+        dvb = tl.dot(tinv_td, dvn, input_precision=PRECISION)          # d(beta v)
         _store_rows(dv_ptr, dvb * beta[:, None], b, t, ok, T, Hv, h, DV, v0, BV)
         dbeta += tl.sum(dvb * v, 1)
-    dw = -neg_dw
-    dkb = tl.dot(tl.trans(tinv), dw, input_precision=PRECISION)        # d(beta e^gamma k)
-    dtinv += tl.dot(dw.to(dt), tl.trans(kb.to(dt)), input_precision=PRECISION)
-    # d(I + A) = -Tinv^T dTinv Tinv^T; only A's strict lower part (same segment) is a variable
-    dA = -tl.dot(tl.dot(tl.trans(tinv), dtinv, input_precision=PRECISION), tl.trans(tinv),
-                 input_precision=PRECISION)
-    kf = k.to(tl.float32)
+    # dw = -neg_dw, w = Tinv kb with kb = beta e^gamma k: the tiles live one after another
+    # (the kernel sits at the register limit)
+    dkb = -tl.dot(tinv_t, neg_dw, input_precision=PRECISION)           # d kb
+    dtinv -= tl.dot(neg_dw.to(dt), tl.trans((k * kscale[:, None]).to(dt)),
+                    input_precision=PRECISION)
+    r = tl.sum(dkb * k.to(tl.float32), 1)
     dk = dkb * kscale[:, None]
-    dgam = tl.sum(dkb * kb.to(tl.float32), 1)
-    dbeta += tl.sum(dkb * kf, 1) * tl.exp(gam) * first.to(tl.float32)
+    dgam = r * kscale
+    dbeta += r * tl.exp(gam) * first.to(tl.float32)
+    # d(I + A) = -Tinv^T dTinv Tinv^T; only A's strict lower part (same segment) is a variable
+    dA = -tl.dot(tl.dot(tinv_t, dtinv, input_precision=PRECISION), tinv_t,
+                 input_precision=PRECISION)
     # A_ij = beta_i (k_i.k_j) e^(gamma_i - gamma_j)
     dAE = dA * _decay(gam, seg, C, True)
     kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
@@ -130,26 +153,32 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
 def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr,
                       dkw_ptr, dgw_ptr, dq_ptr, dk_ptr, dg_ptr, T, n, Hk, Hv,
                       DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                      HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (chunk, value head): dq and the direct parts of dk (the output and the end state),
-    added to the WY parts (dkw, dgw); dg as the reverse cumulative sum of d gamma."""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
+                      BK: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Per (BK key columns, chunk, value head): those columns of dq and of the direct parts of
+    dk (the output and the end state), added to the WY part (dkw); their share of dg, the
+    reverse cumulative sum of d gamma (every d gamma term is a sum over key columns, so the
+    shares add up; the first block adds the WY part dgw). Only dP = do v_new^T, a sum over
+    value columns, is formed by every block: BK < DK buys programs (parallelism) and fewer
+    accumulator registers for one C x C x DV product more per block."""
+    kb = tl.program_id(0)
+    k0 = kb * BK
+    c = tl.program_id(1)
+    bh = tl.program_id(2)
     b, h = bh // Hv, bh % Hv
     hk = h // (Hv // Hk)
     t, ok = _chunk_rows(c, T, C)
     tok = (b * T + t) * Hv + h
     gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
     seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
     dt = q.dtype
-    dq = tl.zeros([C, DK], dtype=tl.float32)
-    dke = tl.zeros([C, DK], dtype=tl.float32)
+    dq = tl.zeros([C, BK], dtype=tl.float32)
+    dke = tl.zeros([C, BK], dtype=tl.float32)
     dP = tl.zeros([C, C], dtype=tl.float32)
     s_ds = tl.full([], 0.0, tl.float32)     # sum(S_c * dS_{c+1}): gamma_last's carry term
     for v0 in range(0, DV, BV):
-        offs = _state_offs(b, c, n, h, Hv, DK, DV, v0, BV)
+        offs = _state_block(b, c, n, h, Hv, DK, DV, k0, BK, v0, BV)
         S = tl.load(h_ptr + offs)
         dS = tl.load(dh_ptr + offs)
         do = _load_rows(do_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
@@ -175,11 +204,11 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
     g_last_grad = tl.sum(R, 0) + tl.exp(g_last) * carry.to(tl.float32) * s_ds
     last_t = tl.minimum(c * C + C - 1, T - 1)
     dgam += tl.where(t == last_t, g_last_grad, 0.0)
-    dgam += tl.load(dgw_ptr + tok, mask=ok, other=0.0)
+    dgam += tl.where(kb == 0, tl.load(dgw_ptr + tok, mask=ok, other=0.0), 0.0)
     dgam = tl.where(ok, dgam, 0.0)
     # gamma_i = sum_{s <= i} g_s, so dg_s = sum_{i >= s} dgamma_i
     dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
-    tl.store(dg_ptr + tok, dg, mask=ok)
-    dk += _load_rows(dkw_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
-    _store_rows(dq_ptr, dq, b, t, ok, T, Hv, h, DK, 0, DK)
-    _store_rows(dk_ptr, dk, b, t, ok, T, Hv, h, DK, 0, DK)
+    tl.store(dg_ptr + kb.to(tl.int64) * (tl.num_programs(2) * T) + tok, dg, mask=ok)
+    dk += _load_rows(dkw_ptr, b, t, ok, T, Hv, h, DK, k0, BK)
+    _store_rows(dq_ptr, dq, b, t, ok, T, Hv, h, DK, k0, BK)
+    _store_rows(dk_ptr, dk, b, t, ok, T, Hv, h, DK, k0, BK)

@@ -4,14 +4,15 @@ dk^-1/2 scale (longmoe/ops/gated_delta.py does those, adjacent).
 
 Legend as in gated_delta_fwd.py: B, T, Hk, Hv, DK, DV, C, n.
 
-Saved for backward: q, k, v, g, beta (the inputs), the initial state and the starts; the
-backward recomputes gamma, Tinv, w, u, the chunk states and v_new with the forward's own kernels
-(one more prep and state pass) rather than keeping ~1 GiB of bf16 chunk states per layer at 64K
-tokens (32 value heads of 128 x 128): the model recomputes every layer anyway, and those two
-launches are the cheap part of the backward. Transient in the backward, at 64K tokens and
-C = 64 in bf16: the chunk states and their gradients (1 GiB each), Tinv (fp32, 512 MiB), v_new
-and dv (512 MiB each), dv_new and the per-value-head dq and dk (fp32, 1 GiB each): ~5.5 GiB at
-the peak (the WY-gradient kernel), once per layer under recompute.
+Saved for backward: q, k, v, beta, the initial state and the starts, and what the forward
+made on the way: gamma, Tinv, w, the chunk start states h and v_new (u is not needed). At 64K
+tokens, 32 value heads of 128 x 128, C = 64 in bf16 that is 2.5 GiB per layer beyond the
+inputs (h 1 GiB, Tinv fp32, w and v_new 512 MiB each). Recomputing them instead repeats the
+forward's prep and state passes inside every backward; under full recompute (how the model
+trains at these lengths) the layer's forward runs right before its backward and nothing is
+saved in the first pass, so keeping them costs no more than recomputing them there. Transient
+in the backward: the end-state gradients (1 GiB), P^T do, dv_new and dv (512 MiB each), the
+per-value-head dq and dk (fp32, 1 GiB each), once per layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from longmoe.ops.kernels import runtime_loop_bounds
 from longmoe.ops.kernels.gated_delta_bwd import (gdn_bwd_qk_kernel, gdn_bwd_wy_kernel,
                                                   gdn_states_bwd_kernel)
 from longmoe.ops.kernels.gated_delta_fwd import (gdn_output_kernel, gdn_prep_kernel,
@@ -51,6 +53,8 @@ class _Shapes:
         self.BV = min(cfg["BV"], self.DV)           # state passes: columns per program
         self.BVO = min(cfg["BV_OUT"], self.DV)      # chunk-parallel kernels: column blocks
         self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the two per-chunk backward kernels
+        self.BKB = min(cfg["BK_BWD"], self.DK)      # key-column block of the q/k-gradient one
+        self.BKP = min(cfg["BK_PREP"], self.DK)     # ...of the prep kernel's w
         self.dims = dict(DK=self.DK, DV=self.DV, C=self.C)
 
 
@@ -64,18 +68,22 @@ def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
     w = torch.empty(B, T, Hv, s.DK, device=q.device, dtype=q.dtype)
     u = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
     _launch(gdn_prep_kernel, (n, B * Hv), cfg, "num_warps", k, v, g, beta, st, gam, tinv, w, u,
-            T, s.Hk, Hv, BV=s.BVO, HAS_STARTS=has_starts, PRECISION=prec, **s.dims)
+            T, s.Hk, Hv, BV=s.BVO, BK=s.BKP, HAS_STARTS=has_starts, PRECISION=prec, **s.dims)
     h = torch.empty(B, n, Hv, s.DK, s.DV, device=q.device, dtype=q.dtype)
     vn = torch.empty_like(u)
     ht = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
     _launch(gdn_states_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", k, w, u, gam, st,
             h0 if h0 is not None else ht, h, vn, ht, T, n, s.Hk, Hv, BV=s.BV,
-            HAS_STARTS=has_starts, HAS_H0=h0 is not None, PRECISION=prec, **s.dims)
+            HAS_STARTS=has_starts, HAS_H0=h0 is not None, PRECISION=prec,
+            COUNTED=runtime_loop_bounds(), **s.dims)
     return gam, tinv, w, h, vn, ht
 
 
 def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool):
-    out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device, dtype=torch.float32)
+    # the output in fp32; P^T do in the inputs' dtype: its one reader adds it to the end state's
+    # part of dv_new in fp32 and rounds the sum to that dtype for its products anyway
+    out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device,
+                      dtype=q.dtype if adjoint else torch.float32)
     _launch(gdn_output_kernel, (s.n, s.B * s.Hv, s.DV // s.BVO), cfg, "num_warps", q, k, gam,
             starts if starts is not None else gam, h, x, out, s.T, s.n, s.Hk, s.Hv, BV=s.BVO,
             HAS_STARTS=starts is not None, ADJOINT=adjoint, PRECISION=prec, **s.dims)
@@ -91,30 +99,31 @@ class ChunkedGatedDelta(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, starts):
         cfg, prec = kernel_config()
         s = _Shapes(q, v, cfg)
-        gam, _, _, h, vn, ht = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
+        gam, tinv, w, h, vn, ht = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
         o = _intra(q, k, gam, starts, h, vn, s, cfg, prec, adjoint=False)
-        ctx.save_for_backward(q, k, v, g, beta, h0, starts)
+        ctx.save_for_backward(q, k, v, beta, h0, starts, gam, tinv, w, h, vn)
         ctx.cfg = cfg, prec
+        ctx.g_dtype = g.dtype
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, starts = ctx.saved_tensors
+        q, k, v, beta, h0, starts, gam, tinv, w, h, vn = ctx.saved_tensors
         cfg, prec = ctx.cfg
         s = _Shapes(q, v, cfg)
         B, T, Hv, n = s.B, s.T, s.Hv, s.n
-        gam, tinv, w, h, vn, _ = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
         do, dht = _dense(do), _dense(dht)
         dvi = _intra(q, k, gam, starts, h, do, s, cfg, prec, adjoint=True)   # P^T do
         st = starts if starts is not None else gam
         dh = torch.empty_like(h)
-        dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=torch.float32)
+        # dv_new in the inputs' dtype: every product that reads it takes it in that dtype
+        dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
         dh0 = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
         _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", q, k, w,
                 gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
                 n, s.Hk, Hv, BV=s.BV, HAS_STARTS=starts is not None, HAS_DHT=dht is not None,
-                PRECISION=prec, **s.dims)
-        del dvi, w
+                PRECISION=prec, COUNTED=runtime_loop_bounds(), **s.dims)
+        del dvi
         f32 = dict(device=q.device, dtype=torch.float32)
         dv = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=v.dtype)
         dkw = torch.empty(B, T, Hv, s.DK, **f32)
@@ -125,14 +134,29 @@ class ChunkedGatedDelta(torch.autograd.Function):
         del tinv, dvn
         # dk lands on its WY part in place: each program reads its rows before writing them
         dq, dk = torch.empty_like(dkw), dkw
-        dg = torch.empty(B, T, Hv, **f32)
-        _launch(gdn_bwd_qk_kernel, (n, B * Hv), cfg, "num_warps_bwd", q, k, gam, st, h, dh, do,
-                vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB,
+        nk = s.DK // s.BKB
+        dg = torch.empty(nk, B, T, Hv, **f32)   # each key-column block's share
+        _launch(gdn_bwd_qk_kernel, (nk, n, B * Hv), cfg, "num_warps_qk", q, k, gam, st, h, dh,
+                do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB, BK=s.BKB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
+        dg = dg.sum(0)
         if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
-            dq, dk = (x.view(B, T, s.Hk, Hv // s.Hk, s.DK).sum(3) for x in (dq, dk))
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+            dq, dk = _sum_groups(dq, s.Hk, q.dtype), _sum_groups(dk, s.Hk, k.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype),
                 dbeta.to(beta.dtype), dh0 if h0 is not None else None, None)
+
+
+def _sum_groups(x, Hk, dtype):
+    """[B, T, Hk * G, D] fp32 -> [B, T, Hk, D] in dtype, summed over each group of G heads in
+    fp32 and rounded once: the last add writes dtype directly, so the fp32 sum never goes
+    through memory (a sum over the group then a cast would write and reread it)."""
+    B, T, Hv, D = x.shape
+    xg = x.view(B, T, Hk, Hv // Hk, D)
+    acc = xg[:, :, :, 0]
+    for j in range(1, Hv // Hk - 1):
+        acc = acc + xg[:, :, :, j]
+    out = torch.empty(B, T, Hk, D, device=x.device, dtype=dtype)
+    return torch.add(acc, xg[:, :, :, -1], out=out)
 
 
 def _dense(x):

@@ -3,8 +3,8 @@ definition; gated_delta_chunk.py launches these and holds the backward's autogra
 
 Legend: B batch, T tokens, Hk/Hv key/value heads (a key head serves Hv/Hk value heads), C chunk
 length (a power of two >= 16), n = ceil(T / C) chunks, DK/DV head dims (powers of two >= 16:
-compile-time sizes, so no feature masks), BV a block of value columns. Token tensors are [B, T, H, D] contiguous; chunk
-states [B, n, Hv, DK, DV].
+compile-time sizes, so no feature masks), BV / BK a block of value / key columns. Token tensors
+are [B, T, H, D] contiguous; chunk states [B, n, Hv, DK, DV].
 
 Per chunk and value head, with gamma the cumulative log decay from the chunk start (fp32; only
 exponentials of differences <= 0 are formed, so g ~ -20 per token never overflows):
@@ -71,8 +71,16 @@ def _store_rows(ptr, val, b, t, ok, T, H, h, D: tl.constexpr, col0, W: tl.conste
 
 @triton.jit
 def _state_offs(b, c, n, h, Hv, DK: tl.constexpr, DV: tl.constexpr, col0, BV: tl.constexpr):
+    return _state_block(b, c, n, h, Hv, DK, DV, 0, DK, col0, BV)
+
+
+@triton.jit
+def _state_block(b, c, n, h, Hv, DK: tl.constexpr, DV: tl.constexpr, row0, BK: tl.constexpr,
+                 col0, BV: tl.constexpr):
+    """Offsets of rows row0..row0+BK, columns col0..col0+BV of chunk c's state."""
     base = ((b * n + c) * Hv + h).to(tl.int64) * DK * DV
-    return base + tl.arange(0, DK)[:, None] * DV + col0 + tl.arange(0, BV)[None, :]
+    return (base + (row0 + tl.arange(0, BK))[:, None] * DV + col0
+            + tl.arange(0, BV)[None, :])
 
 
 @triton.jit
@@ -91,22 +99,31 @@ def _decay(gam, seg, C: tl.constexpr, STRICT: tl.constexpr):
 def _invert_in_place(rows_ptr, row_stride, c, T, C: tl.constexpr):
     """(I + A)^-1 of the strictly lower-triangular C x C matrix A stored row by row at rows_ptr
     (row i of the chunk at rows_ptr + i * row_stride; rows past T are absent and read as 0),
-    overwritten in place, in 16 x 16 blocks and fp32: each diagonal block by forward
-    substitution (row i = e_i - sum_{j<i} A_ij row j), then block row r's off-diagonal blocks
-    T_rc = -T_rr sum_{c<=m<r} A_rm T_mc. The substitution runs on 16 rows, not C: one row at a
-    time is a reduction across the whole tile. Block rows read what earlier ones wrote, so
-    each ends with a barrier."""
+    overwritten in place, in 16 x 16 blocks and fp32: the C / 16 diagonal blocks by forward
+    substitution side by side (row i = e_i - sum_{j<i} A_ij row j: 15 dependent steps for all
+    of them, each a reduction across the tile), then block row r's off-diagonal blocks
+    T_rc = -T_rr sum_{c<=m<r} A_rm T_mc. Block rows read what earlier ones wrote, so each ends
+    with a barrier."""
+    NB: tl.constexpr = C // 16
     r16 = tl.arange(0, 16)
     eye = (r16[:, None] == r16[None, :]).to(tl.float32)
-    for bi in tl.static_range(C // 16):
+    rows = tl.arange(0, NB)[:, None] * 16 + r16[None, :]                    # [NB, 16]
+    diag_ptrs = (rows_ptr + rows.to(tl.int64)[:, :, None] * row_stride
+                 + (rows - r16[None, :])[:, :, None] + r16[None, None, :])  # [NB, 16, 16]
+    diag_ok = (c * C + rows < T)[:, :, None]
+    blk = tl.load(diag_ptrs, mask=diag_ok, other=0.0)
+    inv = tl.zeros([NB, 16, 16], dtype=tl.float32) + eye[None, :, :]
+    for i in range(1, 16):
+        pick = r16[None, :, None] == i
+        a_i = tl.sum(tl.where(pick, blk, 0.0), 1)                           # [NB, 16]
+        inv = tl.where(pick, eye[None, :, :] - tl.sum(a_i[:, :, None] * inv, 1)[:, None, :],
+                       inv)
+    tl.store(diag_ptrs, inv, mask=diag_ok)
+    tl.debug_barrier()
+    for bi in tl.static_range(1, NB):
         ok = c * C + bi * 16 + r16 < T
         row_ptrs = rows_ptr + (bi * 16 + r16).to(tl.int64)[:, None] * row_stride + r16[None, :]
-        blk = tl.load(row_ptrs + bi * 16, mask=ok[:, None], other=0.0)
-        inv = eye
-        for i in range(1, 16):
-            pick = r16[:, None] == i
-            a_i = tl.sum(tl.where(pick, blk, 0.0), 0)
-            inv = tl.where(pick, eye - tl.sum(a_i[:, None] * inv, 0)[None, :], inv)
+        t_rr = tl.load(row_ptrs + bi * 16, mask=ok[:, None], other=0.0)
         for cj in tl.static_range(bi):
             acc = tl.zeros([16, 16], dtype=tl.float32)
             for m in tl.static_range(cj, bi):
@@ -116,17 +133,18 @@ def _invert_in_place(rows_ptr, row_stride, c, T, C: tl.constexpr):
                                + cj * 16 + r16[None, :], mask=m_ok[:, None], other=0.0)
                 acc += tl.dot(a_rm, t_mc, input_precision="ieee")
             # A_r,cj is not read again (later columns start at m > cj), so it can be replaced
-            tl.store(row_ptrs + cj * 16, -tl.dot(inv, acc, input_precision="ieee"),
+            tl.store(row_ptrs + cj * 16, -tl.dot(t_rr, acc, input_precision="ieee"),
                      mask=ok[:, None])
-        tl.store(row_ptrs + bi * 16, inv, mask=ok[:, None])
         tl.debug_barrier()
 
 
 @triton.jit
 def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr,
                     T, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                    BV: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (chunk, value head): gamma, Tinv = (I + A)^-1 (fp32, kept for the backward), w, u."""
+                    BV: tl.constexpr, BK: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Per (chunk, value head): gamma, Tinv = (I + A)^-1 (fp32, kept for the backward), w (by
+    blocks of BK key columns), u (of BV value columns)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // Hv, bh % Hv
@@ -148,12 +166,19 @@ def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr
     tl.store(tinv_ptr + tinv_offs, A, mask=ok[:, None])
     tl.debug_barrier()
     _invert_in_place(tinv_ptr + ((b * T + c * C) * Hv + h).to(tl.int64) * C, Hv * C, c, T, C)
-    tinv = tl.load(tinv_ptr + tinv_offs, mask=ok[:, None], other=0.0)
     dt = k.dtype
-    tinv_d = tinv.to(dt)
-    kb = k * (beta * tl.exp(gam) * first.to(tl.float32))[:, None]
-    w = tl.dot(tinv_d, kb.to(dt), input_precision=PRECISION)
-    _store_rows(w_ptr, w, b, t, ok, T, Hv, h, DK, 0, DK)
+    tinv_d = tl.load(tinv_ptr + tinv_offs, mask=ok[:, None], other=0.0).to(dt)
+    kscale = beta * tl.exp(gam) * first.to(tl.float32)
+    if BK == DK:
+        w = tl.dot(tinv_d, (k * kscale[:, None]).to(dt), input_precision=PRECISION)
+        _store_rows(w_ptr, w, b, t, ok, T, Hv, h, DK, 0, DK)
+    else:
+        # w by blocks of key columns, k read again (from cache): less of k, w and their fp32
+        # products alive at once, fewer registers where those bound the occupancy
+        for k0 in range(0, DK, BK):
+            kc = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+            w = tl.dot(tinv_d, (kc * kscale[:, None]).to(dt), input_precision=PRECISION)
+            _store_rows(w_ptr, w, b, t, ok, T, Hv, h, DK, k0, BK)
     for v0 in range(0, DV, BV):
         v = _load_rows(v_ptr, b, t, ok, T, Hv, h, DV, v0, BV)
         u = tl.dot(tinv_d, (v * beta[:, None]).to(dt), input_precision=PRECISION)
@@ -161,12 +186,34 @@ def gdn_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, starts_ptr, gam_ptr, tinv_ptr
 
 
 @triton.jit
+def _states_step(S, c, k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h_ptr, vn_ptr, b, h, hk, v0, T,
+                 n, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                 BV: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c of the forward state pass: stores S_c and v_new, returns S_{c+1}."""
+    t, ok = _chunk_rows(c, T, C)
+    tl.store(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV), S.to(h_ptr.dtype.element_ty))
+    w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
+    dt = w.dtype
+    u = _load_rows(u_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
+    vn = u - tl.dot(w, S.to(dt), input_precision=PRECISION)
+    _store_rows(vn_ptr, vn, b, t, ok, T, Hv, h, DV, v0, BV)
+    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
+    seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
+    k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
+    return S * (tl.exp(g_last) * carry.to(tl.float32)) + tl.dot(
+        tl.trans(k_end.to(dt)), vn.to(dt), input_precision=PRECISION)
+
+
+@triton.jit
 def gdn_states_kernel(k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr,
                       T, n, Hk, Hv, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                       BV: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_H0: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, COUNTED: tl.constexpr):
     """Per (BV value columns, value head): the pass over chunks, S in fp32 registers; writes
-    every chunk's start state (h, input dtype), v_new and the final state (fp32)."""
+    every chunk's start state (h, input dtype), v_new and the final state (fp32). COUNTED: a
+    for loop over the chunks (Triton pipelines the loads of for loops only); otherwise the same
+    steps in a while loop, for interpreters that cannot take a run-time loop bound."""
     v0 = tl.program_id(0) * BV
     bh = tl.program_id(1)
     b, h = bh // Hv, bh % Hv
@@ -178,20 +225,16 @@ def gdn_states_kernel(k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h0_ptr, h_ptr, v
         S = tl.load(h0_ptr + fin).to(tl.float32)
     else:
         S = tl.zeros([DK, BV], dtype=tl.float32)
-    for c in range(n):
-        t, ok = _chunk_rows(c, T, C)
-        tl.store(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV), S.to(h_ptr.dtype.element_ty))
-        w = _load_rows(w_ptr, b, t, ok, T, Hv, h, DK, 0, DK)
-        dt = w.dtype
-        u = _load_rows(u_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(tl.float32)
-        vn = u - tl.dot(w, S.to(dt), input_precision=PRECISION)
-        _store_rows(vn_ptr, vn, b, t, ok, T, Hv, h, DV, v0, BV)
-        gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
-        seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-        k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
-        k_end = k * (tl.exp(g_last - gam) * last.to(tl.float32))[:, None]
-        S = S * (tl.exp(g_last) * carry.to(tl.float32)) + tl.dot(
-            tl.trans(k_end.to(dt)), vn.to(dt), input_precision=PRECISION)
+    if COUNTED:
+        for c in range(n):
+            S = _states_step(S, c, k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h_ptr, vn_ptr, b, h,
+                             hk, v0, T, n, Hk, Hv, DK, DV, C, BV, HAS_STARTS, PRECISION)
+    else:
+        c = 0
+        while c < n:
+            S = _states_step(S, c, k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h_ptr, vn_ptr, b, h,
+                             hk, v0, T, n, Hk, Hv, DK, DV, C, BV, HAS_STARTS, PRECISION)
+            c += 1
     tl.store(ht_ptr + fin, S)
 
 
