@@ -7,7 +7,9 @@ the steps after the first (which compiles), the first step's loss, every step's 
         --out results/h200/train_40l_32e.json
 
 The metrics files carry no provenance of their own: `--provenance` names a bench report written
-by the same run on the same machine, whose date, commit, device and versions are copied.
+by the same run on the same machine, whose date, commit, device and versions are copied;
+`--date`/`--commit` give this run's where that report is of another run on the same image (the
+report then says so).
 """
 
 from __future__ import annotations
@@ -49,11 +51,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--arm", action="append", required=True, metavar="NAME=METRICS.jsonl")
     p.add_argument("--provenance", required=True, help="a bench JSON of the same run")
     p.add_argument("--command", required=True, help="the train command (arms differ in --set)")
+    p.add_argument("--date", help="the run's date (UTC), when the provenance report is of "
+                                  "another run on the same machine image")
+    p.add_argument("--commit", help="the run's commit, likewise")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     prov = json.load(open(a.provenance))
     report = {"bench": "train", "what": a.what, "command": a.command,
               **{k: prov.get(k) for k in ("date", "commit", "device", "versions")}, "arms": {}}
+    if a.date or a.commit:
+        report.update({k: v for k, v in (("date", a.date), ("commit", a.commit)) if v})
+        report["provenance"] = (f"date and commit of this run; device and versions from "
+                                f"{prov.get('bench')} at {prov.get('commit')} "
+                                f"({prov.get('date')}) on the same machine image")
     for arm in a.arm:
         name, _, path = arm.partition("=")
         report["arms"][name] = summarise(path)
