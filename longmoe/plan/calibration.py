@@ -29,6 +29,7 @@ class Point:
     layout: Layout | None = None
     workload: Workload | None = None
     num_layers: int = 0             # 0: the preset's
+    num_experts: int = 0            # 0: the preset's (one EP rank's share: a cut run on 1 GPU)
     stage: str = ""                 # compare one pipeline stage ("" = the estimator's max)
     moe_layer: tuple = ()           # (tokens, chunks, ep): the single-MoE-layer experiment
     assumptions: Assumptions = field(default_factory=Assumptions)
@@ -48,7 +49,8 @@ def _point(d: dict) -> Point:
                      measured_bytes=d["measured"] * UNITS[d["unit"]],
                      layout=Layout(**d["layout"]) if "layout" in d else None,
                      workload=Workload(**d["workload"]) if "workload" in d else None,
-                     num_layers=d.get("num_layers", 0), stage=d.get("stage", ""),
+                     num_layers=d.get("num_layers", 0), num_experts=d.get("num_experts", 0),
+                     stage=d.get("stage", ""),
                      moe_layer=tuple(d["moe_layer"][k] for k in ("tokens", "chunks", "ep"))
                      if "moe_layer" in d else (),
                      assumptions=Assumptions(**d.get("assumptions", {})),
@@ -84,6 +86,8 @@ def evaluate(p: Point) -> Row:
     cfg = get_preset(MODEL)
     if p.num_layers:
         cfg = cfg.replace(num_layers=p.num_layers)
+    if p.num_experts:
+        cfg = cfg.replace(num_experts=p.num_experts)
     if p.moe_layer:
         tokens, chunks, ep = p.moe_layer
         return Row(p, moe_layer_bytes(cfg, tokens, chunks, ep, p.assumptions), "MoE layer")

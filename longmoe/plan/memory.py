@@ -128,11 +128,10 @@ class Assumptions:
     # dist_opt keeps its grad-reduce buckets; FSDP2 buffers are counted per unit instead.
     dist_opt_bucket_bytes: int = 512 * 2**20
     # What a Gated DeltaNet layer keeps for backward. "kernel": a fused GPU kernel (fla, the
-    # seeds' stack), assumed to keep about what attention keeps (bf16 inputs plus per-chunk
-    # states); not measured. "chunked": longmoe's portable fp32 core, counted tensor by tensor
+    # seeds' stack, or our chunked_triton), assumed to keep about what attention keeps (bf16
+    # inputs plus per-chunk states); +4% against the 40-layer H200 run with chunked_triton. "chunked": longmoe's portable fp32 core, counted tensor by tensor
     # (linear_attention_bytes; ~4x attention's saved set per token for Qwen3.5); "compiled":
-    # the same core with its pieces compiled (`chunked_compiled`, the GPU default where fla
-    # cannot run, as on the H200 image: docs/qwen35.md), counted the same way.
+    # the same core with its pieces compiled (`chunked_compiled`), counted the same way.
     linear_core: str = "kernel"
 
 
