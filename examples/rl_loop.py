@@ -320,8 +320,8 @@ def main(argv=None) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    from longmoe.paired.spawn import run_ranks
-    run_ranks(_spawned, args.nproc, args)
+    from longmoe.api import run_local
+    run_local(_spawned, args.nproc, args)
     return 0
 
 
