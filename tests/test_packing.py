@@ -18,6 +18,7 @@ from longmoe.ops.document_attention import (DOCUMENT_ATTENTION, DocumentSpan,
                                             flex_document_attention)
 from longmoe.ops.registry import ImplUnavailable
 from longmoe.paired.harness import TOLERANCE, rel_err
+from _packed_rows import samples_of as _samples
 
 # Row 0: a one-token sample, odd lengths and padding; row 1: one sample exactly the row length.
 S = 25
@@ -28,16 +29,6 @@ ROWS = [[1, 5, 13, 4], [S]]
 def gen():
     return torch.Generator().manual_seed(random.randrange(2**31))
 
-
-def _samples(rows):
-    """(row, start, length) of every sample."""
-    out = []
-    for r, lengths in enumerate(rows):
-        off = 0
-        for n in lengths:
-            out.append((r, off, n))
-            off += n
-    return out
 
 
 # ---- the description ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from longmoe.model.packing import PackedRows
 from longmoe.ops import gated_delta as gd
 from longmoe.ops.compiled import forced
 from longmoe.paired.harness import TOLERANCE, rel_err
+from _packed_rows import samples_of as _samples
 from _interpreter import last_json_line, run_interpreted
 
 F32 = TOLERANCE[torch.float32]
@@ -30,15 +31,6 @@ ROWS = [[1, 15, 16, 3, 29, 4], [T]]
 def gen():
     return torch.Generator().manual_seed(random.randrange(2**31))
 
-
-def _samples(rows):
-    out = []
-    for r, lengths in enumerate(rows):
-        off = 0
-        for n in lengths:
-            out.append((r, off, n))
-            off += n
-    return out
 
 
 def _leaves(gen, B, T, Hk=2, Hv=4, dk=8, dv=6, dtype=torch.float32):
