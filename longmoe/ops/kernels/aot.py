@@ -115,7 +115,8 @@ def _gated_delta_specs():
     """The chunked Gated DeltaNet kernels as Qwen3.5's heads run them in training: bf16 q/k/v,
     128 x 128 heads, fp32 gates and states, uint8 sample starts (the variant with starts is the
     superset of the one without). Each entry names the pointers' dtypes in argument order, then
-    the integer arguments."""
+    the integer arguments; G = 2 value heads per key head, as Qwen3.5's 16 key and 32 value
+    heads."""
     from longmoe.ops.kernels import gated_delta_bwd as gb
     from longmoe.ops.kernels import gated_delta_fwd as gf
     bf, f32, u8 = "*bf16", "*fp32", "*u8"
@@ -130,10 +131,10 @@ def _gated_delta_specs():
          "num_warps_scan", "BV"),
         ("gdn_output", gf.gdn_output_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=bf, out_ptr=f32),
-         ("T", "n", "Hk", "Hv"), {"ADJOINT": False}, "num_warps", "BV_OUT"),
+         ("T", "n", "Hk"), {"G": 2, "ADJOINT": False}, "num_warps", "BV_OUT"),
         ("gdn_output[adjoint]", gf.gdn_output_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=f32, out_ptr=bf),
-         ("T", "n", "Hk", "Hv"), {"ADJOINT": True}, "num_warps", "BV_OUT"),
+         ("T", "n", "Hk"), {"G": 2, "ADJOINT": True}, "num_warps", "BV_OUT"),
         ("gdn_states_bwd", gb.gdn_states_bwd_kernel,
          dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=f32, dvi_ptr=bf,
               dht_ptr=f32, dh_ptr=bf, dvn_ptr=bf, dh0_ptr=f32), ("T", "n", "Hk", "Hv"),
@@ -144,8 +145,8 @@ def _gated_delta_specs():
          ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
         ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
-              vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=f32, dk_ptr=f32, dg_ptr=f32),
-         ("T", "n", "Hk", "Hv"), {}, "num_warps_qk", "BV_BWD"),
+              vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=bf, dk_ptr=bf, dg_ptr=f32),
+         ("T", "n", "Hk"), {"G": 2}, "num_warps_qk", "BV_BWD"),
     ]
     specs = []
     for name, fn, ptrs, ints, extra, warps, block in kernels:

@@ -150,29 +150,15 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
 
 
 @triton.jit
-def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr,
-                      dkw_ptr, dgw_ptr, dq_ptr, dk_ptr, dg_ptr, T, n, Hk, Hv,
-                      DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (BK key columns, chunk, value head): those columns of dq and of the direct parts of
-    dk (the output and the end state), added to the WY part (dkw); their share of dg, the
-    reverse cumulative sum of d gamma (every d gamma term is a sum over key columns, so the
-    shares add up; the first block adds the WY part dgw). Only dP = do v_new^T, a sum over
-    value columns, is formed by every block: BK < DK buys programs (parallelism) and fewer
-    accumulator registers for one C x C x DV product more per block."""
-    kb = tl.program_id(0)
-    k0 = kb * BK
-    c = tl.program_id(1)
-    bh = tl.program_id(2)
-    b, h = bh // Hv, bh % Hv
-    hk = h // (Hv // Hk)
-    t, ok = _chunk_rows(c, T, C)
-    tok = (b * T + t) * Hv + h
-    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
-    seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
-    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
-    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+def _qk_head(q, k, b, h, c, k0, kb, t, ok, seg, first, last, carry, gam_ptr, h_ptr, dh_ptr,
+             do_ptr, vn_ptr, dkw_ptr, dgw_ptr, dg_ptr, T, n, Hv, DK: tl.constexpr,
+             DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """Value head h's share of dq and dk on the block's key columns (fp32); stores its dg.
+    q k^T is formed per head again rather than kept across the heads: the registers it would
+    hold through the loop push the kernel into spills."""
     dt = q.dtype
+    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
     dq = tl.zeros([C, BK], dtype=tl.float32)
     dke = tl.zeros([C, BK], dtype=tl.float32)
     dP = tl.zeros([C, C], dtype=tl.float32)
@@ -187,10 +173,8 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
         dke += tl.dot(vn, tl.trans(dS.to(dt)), input_precision=PRECISION)
         dP += tl.dot(do, tl.trans(vn), input_precision=PRECISION)
         s_ds += tl.sum(tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1), 0)
-    qf = q.to(tl.float32)
-    kf = k.to(tl.float32)
     dq = dq * (tl.exp(gam) * first.to(tl.float32))[:, None]
-    dgam = tl.sum(qf * dq, 1)
+    dgam = tl.sum(q.to(tl.float32) * dq, 1)
     dPD = dP * _decay(gam, seg, C, False)
     dq += tl.dot(dPD.to(dt), k, input_precision=PRECISION)
     dk = tl.dot(tl.trans(dPD).to(dt), q, input_precision=PRECISION)
@@ -198,17 +182,53 @@ def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, 
     dgam += tl.sum(Pm, 1) - tl.sum(Pm, 0)
     dke = dke * tl.where(ok, tl.exp(g_last - gam) * last.to(tl.float32), 0.0)[:, None]
     dk += dke
-    R = tl.sum(kf * dke, 1)
+    R = tl.sum(k.to(tl.float32) * dke, 1)
     dgam -= R
     # gamma_last (the chunk's last real token) also scales the carried state
     g_last_grad = tl.sum(R, 0) + tl.exp(g_last) * carry.to(tl.float32) * s_ds
     last_t = tl.minimum(c * C + C - 1, T - 1)
     dgam += tl.where(t == last_t, g_last_grad, 0.0)
+    tok = (b * T + t) * Hv + h
     dgam += tl.where(kb == 0, tl.load(dgw_ptr + tok, mask=ok, other=0.0), 0.0)
     dgam = tl.where(ok, dgam, 0.0)
     # gamma_i = sum_{s <= i} g_s, so dg_s = sum_{i >= s} dgamma_i
     dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
-    tl.store(dg_ptr + kb.to(tl.int64) * (tl.num_programs(2) * T) + tok, dg, mask=ok)
+    tl.store(dg_ptr + tok, dg, mask=ok)   # dg_ptr: this key-column block's share
     dk += _load_rows(dkw_ptr, b, t, ok, T, Hv, h, DK, k0, BK)
-    _store_rows(dq_ptr, dq, b, t, ok, T, Hv, h, DK, k0, BK)
-    _store_rows(dk_ptr, dk, b, t, ok, T, Hv, h, DK, k0, BK)
+    return dq, dk
+
+
+@triton.jit
+def gdn_bwd_qk_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr,
+                      dkw_ptr, dgw_ptr, dq_ptr, dk_ptr, dg_ptr, T, n, Hk, G: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                      BK: tl.constexpr, HAS_STARTS: tl.constexpr, PRECISION: tl.constexpr):
+    """Per (BK key columns, chunk, key head): those columns of dq and dk, summed over the key
+    head's G value heads in fp32 and stored once in q's dtype; each head adds the direct parts
+    (the output and the end state) to its WY part (dkw) and stores its share of dg, the reverse
+    cumulative sum of d gamma (every d gamma term is a sum over key columns, so the shares add
+    up; the first block adds the WY part dgw). Only dP = do v_new^T, a sum over value columns,
+    is formed by every block: BK < DK buys programs (parallelism) and fewer accumulator
+    registers for one C x C x DV product more per block."""
+    kb = tl.program_id(0)
+    k0 = kb * BK
+    c = tl.program_id(1)
+    bk = tl.program_id(2)
+    b, hk = bk // Hk, bk % Hk
+    Hv = Hk * G
+    t, ok = _chunk_rows(c, T, C)
+    seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
+    q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+    k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, k0, BK)
+    dq = tl.zeros([C, BK], dtype=tl.float32)
+    dk = tl.zeros([C, BK], dtype=tl.float32)
+    # unrolled: as a loop, the carried accumulators spill on some targets (gfx942, gfx950)
+    for j in tl.static_range(G):
+        dq_h, dk_h = _qk_head(q, k, b, hk * G + j, c, k0, kb, t, ok, seg, first, last,
+                              carry, gam_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr, dkw_ptr, dgw_ptr,
+                              dg_ptr + kb.to(tl.int64) * (tl.num_programs(2) * G * T), T, n,
+                              Hv, DK, DV, C, BV, BK, PRECISION)
+        dq += dq_h
+        dk += dk_h
+    _store_rows(dq_ptr, dq, b, t, ok, T, Hk, hk, DK, k0, BK)
+    _store_rows(dk_ptr, dk, b, t, ok, T, Hk, hk, DK, k0, BK)

@@ -11,8 +11,8 @@ inputs (h 1 GiB, Tinv fp32, w and v_new 512 MiB each). Recomputing them instead 
 forward's prep and state passes inside every backward; under full recompute (how the model
 trains at these lengths) the layer's forward runs right before its backward and nothing is
 saved in the first pass, so keeping them costs no more than recomputing them there. Transient
-in the backward: the end-state gradients (1 GiB), P^T do, dv_new and dv (512 MiB each), the
-per-value-head dq and dk (fp32, 1 GiB each), once per layer.
+in the backward: the end-state gradients (1 GiB), P^T do, dv_new and dv (512 MiB each), the WY
+part of dk per value head (fp32, 1 GiB), once per layer.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool):
     # part of dv_new in fp32 and rounds the sum to that dtype for its products anyway
     out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device,
                       dtype=q.dtype if adjoint else torch.float32)
-    _launch(gdn_output_kernel, (s.n, s.B * s.Hv, s.DV // s.BVO), cfg, "num_warps", q, k, gam,
-            starts if starts is not None else gam, h, x, out, s.T, s.n, s.Hk, s.Hv, BV=s.BVO,
-            HAS_STARTS=starts is not None, ADJOINT=adjoint, PRECISION=prec, **s.dims)
+    _launch(gdn_output_kernel, (s.DV // s.BVO, s.n, s.B * s.Hk), cfg, "num_warps", q, k, gam,
+            starts if starts is not None else gam, h, x, out, s.T, s.n, s.Hk, G=s.Hv // s.Hk,
+            BV=s.BVO, HAS_STARTS=starts is not None, ADJOINT=adjoint, PRECISION=prec, **s.dims)
     return out
 
 
@@ -132,31 +132,15 @@ class ChunkedGatedDelta(torch.autograd.Function):
                 h, dvn, dv, dkw, dbeta, dgw, T, n, s.Hk, Hv, BV=s.BVB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         del tinv, dvn
-        # dk lands on its WY part in place: each program reads its rows before writing them
-        dq, dk = torch.empty_like(dkw), dkw
+        # dq and dk summed over each key head's value heads inside the kernel, in q's dtype
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
         nk = s.DK // s.BKB
         dg = torch.empty(nk, B, T, Hv, **f32)   # each key-column block's share
-        _launch(gdn_bwd_qk_kernel, (nk, n, B * Hv), cfg, "num_warps_qk", q, k, gam, st, h, dh,
-                do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, Hv, BV=s.BVB, BK=s.BKB,
+        _launch(gdn_bwd_qk_kernel, (nk, n, B * s.Hk), cfg, "num_warps_qk", q, k, gam, st, h,
+                dh, do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, G=Hv // s.Hk, BV=s.BVB, BK=s.BKB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
-        dg = dg.sum(0)
-        if Hv != s.Hk:  # value heads of one key head share its q/k: their gradients add up
-            dq, dk = _sum_groups(dq, s.Hk, q.dtype), _sum_groups(dk, s.Hk, k.dtype)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype),
-                dbeta.to(beta.dtype), dh0 if h0 is not None else None, None)
-
-
-def _sum_groups(x, Hk, dtype):
-    """[B, T, Hk * G, D] fp32 -> [B, T, Hk, D] in dtype, summed over each group of G heads in
-    fp32 and rounded once: the last add writes dtype directly, so the fp32 sum never goes
-    through memory (a sum over the group then a cast would write and reread it)."""
-    B, T, Hv, D = x.shape
-    xg = x.view(B, T, Hk, Hv // Hk, D)
-    acc = xg[:, :, :, 0]
-    for j in range(1, Hv // Hk - 1):
-        acc = acc + xg[:, :, :, j]
-    out = torch.empty(B, T, Hk, D, device=x.device, dtype=dtype)
-    return torch.add(acc, xg[:, :, :, -1], out=out)
+        return (dq, dk, dv, dg.sum(0).to(ctx.g_dtype), dbeta.to(beta.dtype),
+                dh0 if h0 is not None else None, None)
 
 
 def _dense(x):

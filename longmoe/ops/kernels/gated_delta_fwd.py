@@ -239,30 +239,36 @@ def gdn_states_kernel(k_ptr, w_ptr, u_ptr, gam_ptr, starts_ptr, h0_ptr, h_ptr, v
 
 
 @triton.jit
-def gdn_output_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, x_ptr, out_ptr, T, n, Hk, Hv,
-                      DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                      HAS_STARTS: tl.constexpr, ADJOINT: tl.constexpr, PRECISION: tl.constexpr):
-    """Per (chunk, value head, BV columns), with P = q k^T * decay * causal (same segment):
+def gdn_output_kernel(q_ptr, k_ptr, gam_ptr, starts_ptr, h_ptr, x_ptr, out_ptr, T, n, Hk,
+                      G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                      BV: tl.constexpr, HAS_STARTS: tl.constexpr, ADJOINT: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """Per (BV columns, chunk, key head), for each of the key head's G value heads, with
+    P = q k^T * decay * causal (same segment):
       forward (x = v_new)  o = (q e^gamma first) S_c + P v_new
-      adjoint (x = do)     out = P^T do   (the intra-chunk part of dv_new)"""
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    v0 = tl.program_id(2) * BV
-    b, h = bh // Hv, bh % Hv
-    hk = h // (Hv // Hk)
+      adjoint (x = do)     out = P^T do   (the intra-chunk part of dv_new)
+    The G heads share q, k and q k^T: one program reads and forms them once."""
+    v0 = tl.program_id(0) * BV
+    c = tl.program_id(1)
+    bk = tl.program_id(2)
+    b, hk = bk // Hk, bk % Hk
+    Hv = Hk * G
     t, ok = _chunk_rows(c, T, C)
-    gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
     seg, first, last, carry = _segments(starts_ptr, b, t, ok, T, HAS_STARTS)
     q = _load_rows(q_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
     k = _load_rows(k_ptr, b, t, ok, T, Hk, hk, DK, 0, DK)
     dt = q.dtype
-    P = tl.dot(q, tl.trans(k), input_precision=PRECISION) * _decay(gam, seg, C, False)
-    x = _load_rows(x_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
-    if ADJOINT:
-        out = tl.dot(tl.trans(P.to(dt)), x, input_precision=PRECISION)
-    else:
-        S = tl.load(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV))
-        q_dec = q * (tl.exp(gam) * first.to(tl.float32))[:, None]
-        out = tl.dot(q_dec.to(dt), S.to(dt), input_precision=PRECISION)
-        out += tl.dot(P.to(dt), x, input_precision=PRECISION)
-    _store_rows(out_ptr, out, b, t, ok, T, Hv, h, DV, v0, BV)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    for j in range(G):
+        h = hk * G + j
+        gam, g_last = _load_gamma(gam_ptr, b, h, c, t, ok, T, Hv, C)
+        P = (qk * _decay(gam, seg, C, False)).to(dt)
+        x = _load_rows(x_ptr, b, t, ok, T, Hv, h, DV, v0, BV).to(dt)
+        if ADJOINT:
+            out = tl.dot(tl.trans(P), x, input_precision=PRECISION)
+        else:
+            S = tl.load(h_ptr + _state_offs(b, c, n, h, Hv, DK, DV, v0, BV))
+            q_dec = q * (tl.exp(gam) * first.to(tl.float32))[:, None]
+            out = tl.dot(q_dec.to(dt), S.to(dt), input_precision=PRECISION)
+            out += tl.dot(P, x, input_precision=PRECISION)
+        _store_rows(out_ptr, out, b, t, ok, T, Hv, h, DV, v0, BV)
