@@ -3,7 +3,7 @@ under TRITON_INTERPRET=1, paired two ways: against the plain expression x * rsqr
 scale in fp64, and against the eager chain it replaces (L2Norm on x.float(), * scale, the cast).
 Values and gradients (random upstream weights), row counts that end in a partial tile of the host
 table's 4 rows, D = 16, 32, 128, rows small enough that eps shows, scales other than 1, fp32 /
-fp16 / bf16 storage (mixed in and out too), a strided input, fresh random inputs each run.
+fp16 / bf16 storage (mixed in and out too), strided inputs, fresh random inputs each run.
 
 Triton 3.9's interpreter rounds fp32 -> bf16 toward zero (`cast_impl`; compiled kernels round to
 nearest even), so bf16 results are within one bf16 ulp of the eager chain here, not bit-equal."""
@@ -17,15 +17,18 @@ import torch
 
 from _interpreter import last_json_line, run_interpreted
 
-# (leading shape, D, x dtype, output dtype, scale, strided input)
+# (leading shape, D, x dtype, output dtype, scale, layout of x): "slice" as the layer hands q
+# and k over (columns of a wider tensor, read in place), "transposed" a view whose leading dims
+# do not merge (copied first)
 CASES = {
-    "fp32_d16": ((2, 37, 3), 16, "float32", "float32", 0.25, False),
-    "fp16_d32_q": ((1, 53, 1), 32, "float16", "float16", 32 ** -0.5, False),
-    "fp16_d128_k_strided": ((3, 19, 2), 128, "float16", "float16", 1.0, True),
-    "bf16_d128_q": ((2, 29, 2), 128, "bfloat16", "bfloat16", 128 ** -0.5, False),
-    "bf16_d16_strided": ((1, 41, 3), 16, "bfloat16", "bfloat16", 3.0, True),
-    "bf16_in_fp32_out": ((1, 23, 5), 128, "bfloat16", "float32", 128 ** -0.5, False),
-    "fp32_in_bf16_out": ((2, 13, 3), 32, "float32", "bfloat16", 2.0, False),
+    "fp32_d16": ((2, 37, 3), 16, "float32", "float32", 0.25, None),
+    "fp16_d32_q": ((1, 53, 1), 32, "float16", "float16", 32 ** -0.5, None),
+    "fp16_d128_k_slice": ((3, 19, 2), 128, "float16", "float16", 1.0, "slice"),
+    "bf16_d128_q": ((2, 29, 2), 128, "bfloat16", "bfloat16", 128 ** -0.5, None),
+    "bf16_d16_slice": ((1, 41, 3), 16, "bfloat16", "bfloat16", 3.0, "slice"),
+    "fp32_d32_transposed": ((3, 11, 2), 32, "float32", "float32", 0.5, "transposed"),
+    "bf16_in_fp32_out": ((1, 23, 5), 128, "bfloat16", "float32", 128 ** -0.5, None),
+    "fp32_in_bf16_out": ((2, 13, 3), 32, "float32", "bfloat16", 2.0, None),
 }
 # largest |error| / largest |reference| in a row: y by the output's dtype, dx by the coarser of
 # the two (dy arrives in the output's, dx is stored in x's). fp32 is the kernel's own rounding;
@@ -51,22 +54,26 @@ def _err(a, b):
     return float(((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-300)).max())
 
 
-def _case(lead, D, in_dt, out_dt, scale, strided, seed):
+def _case(lead, D, in_dt, out_dt, scale, layout, seed):
     from longmoe.ops.gated_delta import L2Norm
-    from longmoe.ops.kernels.l2norm_rows import l2norm_rows
+    from longmoe.ops.kernels.l2norm_rows import _as_NHD, l2norm_rows
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, D, generator=gen, dtype=torch.float64)
     # rows with |x|^2 near eps, where rsqrt(|x|^2 + eps) and 1 / |x| part
     small = torch.rand(*lead, generator=gen) < 0.2
     x = torch.where(small[..., None], x * 1e-4, x)
     idt, odt = getattr(torch, in_dt), getattr(torch, out_dt)
-    if strided:  # q or k as a slice of a wider projection's output
+    if layout == "slice":
         wide = torch.randn(*lead, 2 * D, generator=gen, dtype=torch.float64).to(idt)
         wide[..., D:] = x.to(idt)
         x_in = wide[..., D:]
-        assert not x_in.is_contiguous()
+    elif layout == "transposed":
+        x_in = x.to(idt).transpose(0, 1).contiguous().transpose(0, 1)
     else:
         x_in = x.to(idt)
+    assert x_in.is_contiguous() == (layout is None)
+    # the layer's slices are read where they lie; only what cannot be rows x strides is copied
+    assert (_as_NHD(x_in).data_ptr() == x_in.data_ptr()) == (layout != "transposed")
     # upstream weights with a part along each row of x as large as the rest (a loss that sees
     # the output's direction), so the backward's projection term is as large as the rest too
     along = torch.randn(*lead, 1, generator=gen, dtype=torch.float64) * D ** 0.5

@@ -32,7 +32,7 @@ def _l2norm_specs():
     Qwen3.5's 128-wide heads."""
     from longmoe.ops.kernels import l2norm_rows as ln
     rows = lambda c: {"D": 128, "BLOCK_ROWS": c["BLOCK_ROWS"]}  # noqa: E731
-    tail = {"M": "i32", "scale": "fp32"}
+    tail = {"M": "i32", "H": "i32", "stride_n": "i32", "stride_h": "i32", "scale": "fp32"}
     consts = {"D": "constexpr", "BLOCK_ROWS": "constexpr"}
     return [
         ("l2norm_rows", "l2norm_rows_fwd[bf16]", ln.l2norm_rows_fwd_kernel,
