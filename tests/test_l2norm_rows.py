@@ -54,7 +54,7 @@ def _err(a, b):
     return float(((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-300)).max())
 
 
-def _case(lead, D, in_dt, out_dt, scale, layout, seed):
+def _case(lead, D, in_dt, out_dt, scale, layout, seed, device="cpu"):
     from longmoe.ops.gated_delta import L2Norm
     from longmoe.ops.kernels.l2norm_rows import _as_NHD, l2norm_rows
     gen = torch.Generator().manual_seed(seed)
@@ -71,14 +71,15 @@ def _case(lead, D, in_dt, out_dt, scale, layout, seed):
         x_in = x.to(idt).transpose(0, 1).contiguous().transpose(0, 1)
     else:
         x_in = x.to(idt)
+    x, x_in = x.to(device), x_in.to(device)
     assert x_in.is_contiguous() == (layout is None)
     # the layer's slices are read where they lie; only what cannot be rows x strides is copied
     assert (_as_NHD(x_in).data_ptr() == x_in.data_ptr()) == (layout != "transposed")
     # upstream weights with a part along each row of x as large as the rest (a loss that sees
     # the output's direction), so the backward's projection term is as large as the rest too
     along = torch.randn(*lead, 1, generator=gen, dtype=torch.float64) * D ** 0.5
-    w = torch.randn(*lead, D, generator=gen, dtype=torch.float64) + along * x / x.norm(
-        dim=-1, keepdim=True)
+    w = torch.randn(*lead, D, generator=gen, dtype=torch.float64).to(device) + (
+        along.to(device) * x / x.norm(dim=-1, keepdim=True))
 
     def grad_of(fn, leaf):
         leaf = leaf.detach().requires_grad_()
@@ -155,6 +156,17 @@ def test_a_kernel_without_eps_or_the_projection_term_would_fail(results, case):
 
 def test_no_rows(results):
     assert results[1]["empty"]
+
+
+@pytest.mark.needs_cuda
+def test_bf16_on_gpu_matches_the_expression_and_the_eager_chain():
+    """Compiled, the casts round to nearest even; the layer's shapes (16 heads of 128), q's
+    scale, the layer's column slices."""
+    seed = random.randrange(2**31)
+    r = _case((2, 1031, 16), 128, "bfloat16", "bfloat16", 128 ** -0.5, "slice", seed, "cuda")
+    assert max(r["y_exact"], r["dx_exact"]) < TOL_EXACT["bfloat16"], (seed, r)
+    assert max(r["y_eager"], r["dx_eager"]) < TOL_EAGER["bfloat16"], (seed, r)
+    assert min(r["mutant_no_eps"], r["mutant_no_projection"]) > 5 * TOL_EXACT["bfloat16"], r
 
 
 @pytest.mark.parametrize("shape,dtype", [((4, 24), torch.float32), ((4, 8), torch.float32),
