@@ -27,6 +27,23 @@ class CompileReport:
     error: str = ""
 
 
+def _l2norm_specs():
+    """The q/k norm of the Triton Gated DeltaNet core as training runs it: bf16 in and out,
+    Qwen3.5's 128-wide heads."""
+    from longmoe.ops.kernels import l2norm_rows as ln
+    rows = lambda c: {"D": 128, "BLOCK_ROWS": c["BLOCK_ROWS"]}  # noqa: E731
+    tail = {"M": "i32", "H": "i32", "stride_n": "i32", "stride_h": "i32", "scale": "fp32"}
+    consts = {"D": "constexpr", "BLOCK_ROWS": "constexpr"}
+    return [
+        ("l2norm_rows", "l2norm_rows_fwd[bf16]", ln.l2norm_rows_fwd_kernel,
+         {"x_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*fp32", **tail, "eps": "fp32", **consts},
+         rows, "num_warps"),
+        ("l2norm_rows", "l2norm_rows_bwd[bf16]", ln.l2norm_rows_bwd_kernel,
+         {"x_ptr": "*bf16", "r_ptr": "*fp32", "dy_ptr": "*bf16", "dx_ptr": "*bf16", **tail,
+          **consts}, rows, "num_warps"),
+    ]
+
+
 def _kernel_specs():
     """(table key, kernel name, jit fn, signature, constexprs from a config, num_warps key)."""
     from longmoe.ops.kernels import ce_rows
@@ -95,6 +112,7 @@ def _kernel_specs():
                        "WITH_DOT": "constexpr"},
                       lambda c: {"BLOCK_M": c["BLOCK_M"], "BLOCK_F": c["BLOCK_F"],
                                  "WITH_DOT": True}, "num_warps_swiglu"))
+    specs += _l2norm_specs()
     from longmoe.ops.kernels import affine_scan as sc
     for adjoint in (False, True):
         # D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs
