@@ -169,10 +169,13 @@ class Backend(abc.ABC):
     @classmethod
     def launch_options(cls, cfg: Mapping[str, Any], num_warps_key: str = "num_warps") -> dict:
         """The Triton launch kwargs of one table entry: its warps (`num_warps_key`, else
-        num_warps), num_stages where the entry sets it, and this vendor's launch_keys."""
+        num_warps), its stages where the entry sets them (the key named like the warps key,
+        num_warps_X -> num_stages_X, else num_stages: kernels of one entry may pipeline best
+        at different depths), and this vendor's launch_keys."""
         opts = {"num_warps": cfg.get(num_warps_key, cfg["num_warps"])}
-        if "num_stages" in cfg:
-            opts["num_stages"] = cfg["num_stages"]
+        stages_key = num_warps_key.replace("num_warps", "num_stages", 1)
+        if stages_key in cfg or "num_stages" in cfg:
+            opts["num_stages"] = cfg.get(stages_key, cfg.get("num_stages"))
         opts.update({k: cfg[k] for k in cls.launch_keys if k in cfg})
         return opts
 

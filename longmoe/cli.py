@@ -373,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.set_defaults(fn=_cmd_bench_path)
     __import__("longmoe.bench.weight_sync", fromlist=["add_parser"]).add_parser(bsub)
     __import__("longmoe.bench.logprobs", fromlist=["add_parser"]).add_parser(bsub)
+    __import__("longmoe.bench.gated_delta_tiles", fromlist=["add_parser"]).add_parser(bsub)
 
     bk = bsub.add_parser("packing", help="a GRPO batch of log-normal lengths: packed token-budget "
                                          "micro-batches vs padded rows vs full single-sample rows")

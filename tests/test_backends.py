@@ -180,6 +180,13 @@ def test_launch_options_come_from_the_vendor_backend():
                                                "waves_per_eu": 1, "matrix_instr_nonkdim": 16}
     assert CudaBackend.launch_options(cfg, "num_warps_dw") == {"num_warps": 4, "num_stages": 2}
     assert CpuBackend.launch_options({"num_warps": 4}, "num_warps_grad") == {"num_warps": 4}
+    # a kernel's own stages key wins over the entry's num_stages; others keep num_stages
+    staged = {"num_warps": 4, "num_stages": 1, "num_warps_scan": 4, "num_stages_scan": 3}
+    assert CudaBackend.launch_options(staged, "num_warps_scan") == {"num_warps": 4,
+                                                                     "num_stages": 3}
+    assert CudaBackend.launch_options(staged) == {"num_warps": 4, "num_stages": 1}
+    assert CudaBackend.launch_options({"num_warps": 4, "num_stages_qk": 3},
+                                      "num_warps_qk") == {"num_warps": 4, "num_stages": 3}
     from longmoe.backends.aot import compile_targets
     targets = compile_targets()
     assert {"sm_90", "gfx942", "gfx950"} <= set(targets)

@@ -156,7 +156,7 @@ def _gated_delta_specs():
         ("gdn_states_bwd", gb.gdn_states_bwd_kernel,
          dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=f32, dvi_ptr=bf,
               dht_ptr=f32, dh_ptr=bf, dvn_ptr=bf, dh0_ptr=f32), ("T", "n", "Hk", "Hv"),
-         {"HAS_DHT": True, "COUNTED": True}, "num_warps_scan", "BV"),
+         {"HAS_DHT": True, "COUNTED": True}, "num_warps_scan_bwd", "BV"),
         ("gdn_bwd_wy", gb.gdn_bwd_wy_kernel,
          dict(k_ptr=bf, v_ptr=bf, beta_ptr=bf, gam_ptr=f32, starts_ptr=u8, tinv_ptr=f32,
               h_ptr=bf, dvn_ptr=bf, dv_ptr=bf, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
@@ -164,7 +164,7 @@ def _gated_delta_specs():
         ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
          dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
               vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=bf, dk_ptr=bf, dg_ptr=f32),
-         ("T", "n", "Hk"), {"G": 2}, "num_warps_qk", "BV_BWD"),
+         ("T", "n", "Hk"), {"G": 2}, "num_warps_qk", "BV_QK"),
     ]
     specs = []
     for name, fn, ptrs, ints, extra, warps, block in kernels:
@@ -248,6 +248,13 @@ def _aligned_attrs(sig: dict) -> dict:
             and (sig[k].startswith("*") or k.startswith("stride") or k in _ALIGNED_INTS)}
 
 
+def spill_allowance(cfg: dict, variant: str) -> int:
+    """Spilled registers a table entry accepts for one kernel (its "max_spills" by kernel name,
+    aligned or not): only where the entry's note says the spilling tiles were timed faster than
+    the ones that fit; any other spill fails the check."""
+    return int((cfg or {}).get("max_spills", {}).get(variant.split("@")[0], 0))
+
+
 def compile_and_check(rep: CompileReport, t, gpu, fn, sig: dict, constexprs: dict,
                       opts: dict, attrs: dict | None = None) -> CompileReport:
     """Compile one kernel config for target t and fill rep: resources, ok (no spills, within
@@ -257,9 +264,12 @@ def compile_and_check(rep: CompileReport, t, gpu, fn, sig: dict, constexprs: dic
     try:
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         rep.regs, rep.spills, rep.shared = t.usage(triton.compile(src, target=gpu, options=opts))
-        rep.ok = rep.spills == 0 and rep.regs <= t.reg_budget and rep.shared <= t.shared_budget
+        allowed = spill_allowance(rep.config, rep.variant)
+        rep.ok = (rep.spills <= allowed and rep.regs <= t.reg_budget
+                  and rep.shared <= t.shared_budget)
         if not rep.ok:
-            rep.error = (f"over budget (regs {rep.regs}/{t.reg_budget}, spills {rep.spills}, "
+            rep.error = (f"over budget (regs {rep.regs}/{t.reg_budget}, spills {rep.spills}"
+                         f"{f' > {allowed} allowed' if allowed else ''}, "
                          f"shared {rep.shared}/{t.shared_budget})")
     except Exception as e:  # a config that does not compile is a finding, not a crash
         msg = str(e).strip().splitlines()

@@ -52,7 +52,8 @@ class _Shapes:
         self.n = triton.cdiv(self.T, self.C)
         self.BV = min(cfg["BV"], self.DV)           # state passes: columns per program
         self.BVO = min(cfg["BV_OUT"], self.DV)      # chunk-parallel kernels: column blocks
-        self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the two per-chunk backward kernels
+        self.BVB = min(cfg["BV_BWD"], self.DV)      # ...of the WY-gradient kernel
+        self.BVQ = min(cfg["BV_QK"], self.DV)       # ...of the q/k-gradient kernel
         self.BKB = min(cfg["BK_BWD"], self.DK)      # key-column block of the q/k-gradient one
         self.BKP = min(cfg["BK_PREP"], self.DK)     # ...of the prep kernel's w
         self.dims = dict(DK=self.DK, DV=self.DV, C=self.C)
@@ -119,7 +120,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
         # dv_new in the inputs' dtype: every product that reads it takes it in that dtype
         dvn = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
         dh0 = torch.empty(B, Hv, s.DK, s.DV, device=q.device, dtype=torch.float32)
-        _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan", q, k, w,
+        _launch(gdn_states_bwd_kernel, (s.DV // s.BV, B * Hv), cfg, "num_warps_scan_bwd", q, k, w,
                 gam, st, do, dvi, dht if dht is not None else dh0, dh, dvn, dh0, T,
                 n, s.Hk, Hv, BV=s.BV, HAS_STARTS=starts is not None, HAS_DHT=dht is not None,
                 PRECISION=prec, COUNTED=runtime_loop_bounds(), **s.dims)
@@ -137,7 +138,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
         nk = s.DK // s.BKB
         dg = torch.empty(nk, B, T, Hv, **f32)   # each key-column block's share
         _launch(gdn_bwd_qk_kernel, (nk, n, B * s.Hk), cfg, "num_warps_qk", q, k, gam, st, h,
-                dh, do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, G=Hv // s.Hk, BV=s.BVB, BK=s.BKB,
+                dh, do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, G=Hv // s.Hk, BV=s.BVQ, BK=s.BKB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         return (dq, dk, dv, dg.sum(0).to(ctx.g_dtype), dbeta.to(beta.dtype),
                 dh0 if h0 is not None else None, None)
