@@ -92,6 +92,38 @@ def _case(B, T, Hk, Hv, dk, dv, dtype, decay, with_h0, with_starts, seed, device
     return {"errs": errs, "leak": leak}
 
 
+def _out_dtype_case(seed):
+    """o written in the inputs' half dtype against the fp32 o rounded once, and the gradients
+    of the two runs (the half one takes its output gradient in half, as the layer's norm hands
+    it back): the kernels round both the same way, so every difference must be zero."""
+    from longmoe.ops.gated_delta import gated_delta_rule
+    gen = torch.Generator().manual_seed(seed)
+    B, T, Hk, Hv, d = 1, 70, 1, 2, 16
+    base = [torch.randn(B, T, Hk, d, generator=gen), torch.randn(B, T, Hk, d, generator=gen),
+            torch.randn(B, T, Hv, d, generator=gen),
+            -torch.rand(B, T, Hv, generator=gen) * 4, torch.rand(B, T, Hv, generator=gen)]
+    starts = torch.rand(B, T, generator=gen) < 0.1
+    w = torch.randn(B, T, Hv, d, generator=gen, dtype=torch.float64)
+    runs = []
+    for out_dtype in (None, torch.float16):
+        # fresh leaves each run (a same-dtype .to() would hand back the shared tensor)
+        xs = [x.to(torch.float16 if i < 3 else torch.float32).clone().requires_grad_()
+              for i, x in enumerate(base)]
+        o, _ = gated_delta_rule(*xs, impl="chunked_triton", starts=starts, out_dtype=out_dtype)
+        (o.double() * w).sum().backward()
+        runs.append((o.detach(), [x.grad.double() for x in xs]))
+    (o32, g32), (o16, g16) = runs
+    return {"dtype": str(o16.dtype), "o": float((o16.double() - o32.half().double()).abs().max()),
+            "grads": [float((a - b).abs().max()) for a, b in zip(g16, g32)]}
+
+
+def test_half_output_is_the_fp32_output_rounded_once(results):
+    seed, res = results
+    got = res["_out_dtype"]
+    assert got["dtype"] == "torch.float16", (seed, got)
+    assert got["o"] == 0 and got["grads"] == [0.0] * 5, (seed, got)
+
+
 @pytest.fixture(scope="module")
 def results():
     seed = random.randrange(2**31)
@@ -148,6 +180,7 @@ if __name__ == "__main__":  # the interpreted half: one process for every case
         tiles = {"CHUNK": CHUNK[name]} if name in CHUNK else {}
         with active_backend().kernel_overrides("gated_delta_chunk", tiles), loop:
             out[name] = _case(*spec, seed=base + i)
+    out["_out_dtype"] = _out_dtype_case(base + len(CASES))
     print(json.dumps(out))
 
 

@@ -62,7 +62,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate, fused: bool = False, dtype=None):
-        fn = compiled(gated_rms_norm) if fused else gated_rms_norm
+        fn = compiled(gated_rms_norm, dynamic=None) if fused else gated_rms_norm
         return fn(x, gate, self.weight, self.eps, dtype)
 
     def reset_parameters(self):
@@ -107,8 +107,8 @@ class GatedDeltaNet(nn.Module):
         `history` (packed rows): tokens since each token's sample began. On GPUs compiled into
         fused kernels, unless an eager core was asked for."""
         if self._fused(qkv_BSC):
-            return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC,
-                                              history_BS)
+            return compiled(causal_conv_silu, dynamic=None)(qkv_BSC, self.conv1d.weight[:, 0],
+                                                            halo_BKC, history_BS)
         if history_BS is not None:  # per-tap masks: F.conv1d has no way to take them
             return causal_conv_silu(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC, history_BS)
         x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward
@@ -135,10 +135,10 @@ class GatedDeltaNet(nn.Module):
         elif packing is not None:
             q, k, v = self._split(self._conv(qkv, history_BS=packing.history))
             o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl, starts=packing.starts,
-                                    cu_seqlens=packing.cu_seqlens)
+                                    cu_seqlens=packing.cu_seqlens, out_dtype=x_BSH.dtype)
         else:
             q, k, v = self._split(self._conv(qkv))
-            o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl)
+            o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl, out_dtype=x_BSH.dtype)
         z = self.in_proj_z(x_BSH).reshape(B, S, self.Hv, self.dv)
         o = self.norm(o, z, fused=self._fused(x_BSH), dtype=x_BSH.dtype)
         return self.out_proj(o.reshape(B, S, -1))

@@ -1,7 +1,11 @@
 """torch.compile for the plain-PyTorch pieces that run as chains of small elementwise ops on a
 GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm). Inductor turns
 each chain into fused Triton kernels for whichever GPU is present; the eager function stays the
-reference and the CPU path. One compiled callable per function per process, shapes static.
+reference and the CPU path. One compiled callable per function per process: shapes static for
+the pieces that want them (`dynamic=False`); the row-wise pieces (norms, the conv) take
+`dynamic=None`, torch's automatic dynamic shapes, since packed rows change their length from
+step to step: static shapes would compile once per new length (minutes over the first steps)
+until dynamo's recompile limit sends them back to eager.
 
 `forced(backend)` (or LONGMOE_FORCE_COMPILE=<backend> in the environment, which reaches spawned
 ranks) runs the compiled path on any device with another torch.compile backend: tests use it on
@@ -16,7 +20,7 @@ from typing import Callable
 
 import torch
 
-_CACHE: dict[tuple[Callable, str], Callable] = {}
+_CACHE: dict[tuple[Callable, str, bool | None], Callable] = {}
 _FORCED: list[str] = []
 
 
@@ -40,11 +44,12 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, dynamic: bool | None = False) -> Callable:
     backend = _forced() or "inductor"
-    if (fn, backend) not in _CACHE:
-        _CACHE[(fn, backend)] = torch.compile(fn, backend=backend, dynamic=False)
-    return _CACHE[(fn, backend)]
+    key = (fn, backend, dynamic)
+    if key not in _CACHE:
+        _CACHE[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
+    return _CACHE[key]
 
 
 @contextlib.contextmanager

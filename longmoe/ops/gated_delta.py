@@ -297,7 +297,8 @@ def _triton_check(q, k, v, g, beta, initial_state=None):
 
 
 @GATED_DELTA.register("chunked_triton", priority=8, check=_triton_check)
-def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None):
+def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None,
+                    out_dtype=None):
     # cu_seqlens: the same boundaries as starts, which the kernels read directly
     from longmoe.ops.kernels.gated_delta_chunk import chunked_gated_delta
     from longmoe.ops.kernels.l2norm_rows import l2norm_rows
@@ -310,7 +311,8 @@ def _chunked_triton(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlen
     dt = q.dtype if q.dtype == k.dtype == v.dtype else torch.float32
     qn = l2norm_rows(q, q.shape[-1] ** -0.5, dt, L2_EPS)
     kn = l2norm_rows(k, 1.0, dt, L2_EPS)
-    return chunked_gated_delta(qn, kn, v.to(dt), g, beta, initial_state, starts)
+    return chunked_gated_delta(qn, kn, v.to(dt), g, beta, initial_state, starts,
+                               out_dtype=out_dtype or torch.float32)
 
 
 _FLA_TRIAL: dict[str, str | None] = {}
@@ -387,19 +389,23 @@ def _fla_packed(kernel, q, k, v, g, beta, initial_state, starts, cu_seqlens):
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", starts=None,
-                     cu_seqlens=None):
-    """(o [B, T, Hv, dv] fp32, final state [B, Hv, dk, dv] fp32). q, k: [B, T, Hk, dk];
-    v: [B, T, Hv, dv]; g (log decay, <= 0) and beta: [B, T, Hv]. `starts` [B, T] bool: reset
-    the state before these tokens (packed rows); `cu_seqlens` (optional, for fla): the flattened
-    boundaries of the segments `starts` gives with every row's first token a boundary."""
+                     cu_seqlens=None, out_dtype=None):
+    """(o [B, T, Hv, dv] in out_dtype (default fp32), final state [B, Hv, dk, dv] fp32).
+    q, k: [B, T, Hk, dk]; v: [B, T, Hv, dv]; g (log decay, <= 0) and beta: [B, T, Hv].
+    `starts` [B, T] bool: reset the state before these tokens (packed rows); `cu_seqlens`
+    (optional, for fla): the flattened boundaries of the segments `starts` gives with every
+    row's first token a boundary. `out_dtype`: o rounded once from fp32, as the layer's norm
+    takes it (the Triton core writes it so directly: half the bytes of o, and of its gradient,
+    through memory)."""
     fn = GATED_DELTA.select(impl, q, k, v, g, beta, initial_state).fn
-    if starts is None:
-        return fn(q, k, v, g, beta, initial_state=initial_state)
-    if starts.shape != q.shape[:2] or starts.dtype != torch.bool:
-        raise ValueError(f"starts must be bool {tuple(q.shape[:2])}, got {starts.dtype} "
-                         f"{tuple(starts.shape)}")
-    kw = {"cu_seqlens": cu_seqlens} if fn is _fla else {}
-    return fn(q, k, v, g, beta, initial_state=initial_state, starts=starts, **kw)
+    kw = {"out_dtype": out_dtype} if fn is _chunked_triton else {}
+    if starts is not None:
+        if starts.shape != q.shape[:2] or starts.dtype != torch.bool:
+            raise ValueError(f"starts must be bool {tuple(q.shape[:2])}, got {starts.dtype} "
+                             f"{tuple(starts.shape)}")
+        kw.update(starts=starts, **({"cu_seqlens": cu_seqlens} if fn is _fla else {}))
+    o, S = fn(q, k, v, g, beta, initial_state=initial_state, **kw)
+    return (o if out_dtype is None else o.to(out_dtype)), S
 
 
 def gated_delta_choice(device, impl: str = "auto") -> dict:

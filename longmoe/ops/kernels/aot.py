@@ -130,8 +130,8 @@ def _kernel_specs():
 
 
 def _gated_delta_specs():
-    """The chunked Gated DeltaNet kernels as Qwen3.5's heads run them in training: bf16 q/k/v,
-    128 x 128 heads, fp32 gates and states, uint8 sample starts (the variant with starts is the
+    """The chunked Gated DeltaNet kernels as Qwen3.5's heads run them in training: bf16 q/k/v
+    and o (and its gradient), 128 x 128 heads, fp32 gates and states, uint8 sample starts (the variant with starts is the
     superset of the one without). Each entry names the pointers' dtypes in argument order, then
     the integer arguments; G = 2 value heads per key head, as Qwen3.5's 16 key and 32 value
     heads."""
@@ -148,13 +148,13 @@ def _gated_delta_specs():
          {"HAS_H0": True, "COUNTED": True},
          "num_warps_scan", "BV"),
         ("gdn_output", gf.gdn_output_kernel,
-         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=bf, out_ptr=f32),
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=bf, out_ptr=bf),
          ("T", "n", "Hk"), {"G": 2, "ADJOINT": False}, "num_warps", "BV_OUT"),
         ("gdn_output[adjoint]", gf.gdn_output_kernel,
-         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=f32, out_ptr=bf),
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, x_ptr=bf, out_ptr=bf),
          ("T", "n", "Hk"), {"G": 2, "ADJOINT": True}, "num_warps", "BV_OUT"),
         ("gdn_states_bwd", gb.gdn_states_bwd_kernel,
-         dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=f32, dvi_ptr=bf,
+         dict(q_ptr=bf, k_ptr=bf, w_ptr=bf, gam_ptr=f32, starts_ptr=u8, do_ptr=bf, dvi_ptr=bf,
               dht_ptr=f32, dh_ptr=bf, dvn_ptr=bf, dh0_ptr=f32), ("T", "n", "Hk", "Hv"),
          {"HAS_DHT": True, "COUNTED": True}, "num_warps_scan_bwd", "BV"),
         ("gdn_bwd_wy", gb.gdn_bwd_wy_kernel,
@@ -162,7 +162,7 @@ def _gated_delta_specs():
               h_ptr=bf, dvn_ptr=bf, dv_ptr=bf, dk_ptr=f32, dbeta_ptr=f32, dgam_ptr=f32),
          ("T", "n", "Hk", "Hv"), {}, "num_warps_bwd", "BV_BWD"),
         ("gdn_bwd_qk", gb.gdn_bwd_qk_kernel,
-         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=f32,
+         dict(q_ptr=bf, k_ptr=bf, gam_ptr=f32, starts_ptr=u8, h_ptr=bf, dh_ptr=bf, do_ptr=bf,
               vn_ptr=bf, dkw_ptr=f32, dgw_ptr=f32, dq_ptr=bf, dk_ptr=bf, dg_ptr=f32),
          ("T", "n", "Hk"), {"G": 2}, "num_warps_qk", "BV_QK"),
     ]

@@ -80,11 +80,12 @@ def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
     return gam, tinv, w, h, vn, ht
 
 
-def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool):
-    # the output in fp32; P^T do in the inputs' dtype: its one reader adds it to the end state's
-    # part of dv_new in fp32 and rounds the sum to that dtype for its products anyway
+def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool, o_dtype=None):
+    # the output in o_dtype (rounded once from the fp32 sum); P^T do in the inputs' dtype: its
+    # one reader adds it to the end state's part of dv_new in fp32 and rounds the sum to that
+    # dtype for its products anyway
     out = torch.empty(s.B, s.T, s.Hv, s.DV, device=q.device,
-                      dtype=q.dtype if adjoint else torch.float32)
+                      dtype=q.dtype if adjoint else o_dtype)
     _launch(gdn_output_kernel, (s.DV // s.BVO, s.n, s.B * s.Hk), cfg, "num_warps", q, k, gam,
             starts if starts is not None else gam, h, x, out, s.T, s.n, s.Hk, G=s.Hv // s.Hk,
             BV=s.BVO, HAS_STARTS=starts is not None, ADJOINT=adjoint, PRECISION=prec, **s.dims)
@@ -92,16 +93,16 @@ def _intra(q, k, gam, starts, h, x, s: _Shapes, cfg, prec, adjoint: bool):
 
 
 class ChunkedGatedDelta(torch.autograd.Function):
-    """(o fp32, final state fp32) from normalised, scaled q, k [B, T, Hk, DK], v [B, T, Hv, DV]
-    (q, k, v of one dtype), g fp32 and beta [B, T, Hv], h0 fp32 [B, Hv, DK, DV] or None, starts
-    uint8 [B, T] or None."""
+    """(o in o_dtype, final state fp32) from normalised, scaled q, k [B, T, Hk, DK],
+    v [B, T, Hv, DV] (q, k, v of one dtype), g fp32 and beta [B, T, Hv], h0 fp32
+    [B, Hv, DK, DV] or None, starts uint8 [B, T] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, starts):
+    def forward(ctx, q, k, v, g, beta, h0, starts, o_dtype):
         cfg, prec = kernel_config()
         s = _Shapes(q, v, cfg)
         gam, tinv, w, h, vn, ht = _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s)
-        o = _intra(q, k, gam, starts, h, vn, s, cfg, prec, adjoint=False)
+        o = _intra(q, k, gam, starts, h, vn, s, cfg, prec, adjoint=False, o_dtype=o_dtype)
         ctx.save_for_backward(q, k, v, beta, h0, starts, gam, tinv, w, h, vn)
         ctx.cfg = cfg, prec
         ctx.g_dtype = g.dtype
@@ -141,7 +142,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
                 dh, do, vn, dkw, dgw, dq, dk, dg, T, n, s.Hk, G=Hv // s.Hk, BV=s.BVQ, BK=s.BKB,
                 HAS_STARTS=starts is not None, PRECISION=prec, **s.dims)
         return (dq, dk, dv, dg.sum(0).to(ctx.g_dtype), dbeta.to(beta.dtype),
-                dh0 if h0 is not None else None, None)
+                dh0 if h0 is not None else None, None, None)
 
 
 def _dense(x):
@@ -154,8 +155,9 @@ def _dense(x):
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def chunked_gated_delta(q, k, v, g, beta, h0=None, starts=None):
-    """Forward (and, through autograd, backward) of the chunked core; see ChunkedGatedDelta."""
+def chunked_gated_delta(q, k, v, g, beta, h0=None, starts=None, out_dtype=torch.float32):
+    """Forward (and, through autograd, backward) of the chunked core; see ChunkedGatedDelta.
+    o in out_dtype: its gradient then comes in that dtype too, and the kernels read it so."""
     st = None if starts is None else starts.to(torch.uint8)
     h0 = None if h0 is None else h0.float()
-    return ChunkedGatedDelta.apply(*map(_dense, (q, k, v, g.float(), beta, h0, st)))
+    return ChunkedGatedDelta.apply(*map(_dense, (q, k, v, g.float(), beta, h0, st)), out_dtype)

@@ -1,0 +1,65 @@
+"""The compiled row-wise pieces (RMSNorm, the gated norm, the causal conv) under packed rows,
+whose length changes from step to step: with torch's automatic dynamic shapes each compiles at
+most twice (the first length, then one graph for any length), where static shapes compiled
+once per new length until dynamo's recompile limit sent them back to eager."""
+
+from __future__ import annotations
+
+import torch
+
+from longmoe.model.deltanet import causal_conv_silu, gated_rms_norm
+from longmoe.model.layers import rms_norm
+from longmoe.ops import compiled as comp
+
+
+def _graphs(fn, dynamic, make, lengths):
+    torch._dynamo.reset()
+    seen = []
+
+    def counting(gm, example_inputs):
+        seen.append(len(example_inputs))
+        return gm.forward
+
+    with comp.forced(counting):
+        f = comp.compiled(fn, dynamic=dynamic)
+        for T in lengths:
+            args = make(T)
+            got = f(*args)
+            torch.testing.assert_close(got, fn(*args), rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+    return len(seen)
+
+
+PIECES = {
+    "rms_norm": (rms_norm, lambda T: (torch.randn(1, T, 24), torch.randn(24), 1e-6, True)),
+    "gated_rms_norm": (gated_rms_norm, lambda T: (torch.randn(1, T, 3, 8), torch.randn(1, T, 3, 8),
+                                                  torch.randn(8), 1e-6)),
+    "causal_conv_silu": (causal_conv_silu, lambda T: (torch.randn(1, T, 12), torch.randn(12, 4))),
+}
+
+
+def test_packed_lengths_compile_at_most_twice():
+    lengths = [96, 160, 224, 352, 417]
+    for name, (fn, make) in PIECES.items():
+        dynamic = _graphs(fn, None, make, lengths)
+        static = _graphs(fn, False, make, lengths)
+        assert dynamic <= 2, (name, dynamic)
+        assert static == len(lengths), (name, static)   # what dynamic=None avoids
+
+
+def test_the_model_norms_compile_at_most_twice_over_packed_lengths():
+    from longmoe.model.deltanet import GatedRMSNorm
+    from longmoe.model.layers import RMSNorm
+    norm, gated = RMSNorm(24, 1e-6, unit_offset=True), GatedRMSNorm(8, 1e-6)
+    seen = []
+
+    def counting(gm, example_inputs):
+        seen.append(1)
+        return gm.forward
+    torch._dynamo.reset()
+    with comp.forced(counting), torch.no_grad():
+        for T in (96, 160, 224, 352):
+            norm(torch.randn(1, T, 24))
+            gated(torch.randn(1, T, 3, 8), torch.randn(1, T, 3, 8), fused=True)
+    torch._dynamo.reset()
+    assert 2 <= len(seen) <= 4, len(seen)     # each module: its first length, then one more
