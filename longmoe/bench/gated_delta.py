@@ -55,8 +55,10 @@ def _inputs(T, Hk, Hv, dk, dv, device, dtype, seed):
 
 
 def _core(impl):
+    """The core as the layer calls it: o in the inputs' dtype (the norm after it takes that)."""
     from longmoe.ops.gated_delta import gated_delta_rule
-    return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, impl=impl)[0]
+    return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, impl=impl,
+                                                     out_dtype=v.dtype)[0]
 
 
 def _fla_direct(leaves, Hk, Hv, backend, warmup, iters, ref):
