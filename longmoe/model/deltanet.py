@@ -62,7 +62,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate, fused: bool = False, dtype=None):
-        fn = compiled(gated_rms_norm, dynamic=None) if fused else gated_rms_norm
+        fn = compiled(gated_rms_norm) if fused else gated_rms_norm
         return fn(x, gate, self.weight, self.eps, dtype)
 
     def reset_parameters(self):
@@ -107,8 +107,8 @@ class GatedDeltaNet(nn.Module):
         `history` (packed rows): tokens since each token's sample began. On GPUs compiled into
         fused kernels, unless an eager core was asked for."""
         if self._fused(qkv_BSC):
-            return compiled(causal_conv_silu, dynamic=None)(qkv_BSC, self.conv1d.weight[:, 0],
-                                                            halo_BKC, history_BS)
+            return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC,
+                                              history_BS)
         if history_BS is not None:  # per-tap masks: F.conv1d has no way to take them
             return causal_conv_silu(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC, history_BS)
         x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward

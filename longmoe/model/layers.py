@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x):
-        fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm, dynamic=None)
+        fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm)
         return fn(x, self.weight, self.eps, self.unit_offset)
 
     def reset_parameters(self):

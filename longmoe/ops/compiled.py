@@ -1,11 +1,12 @@
 """torch.compile for the plain-PyTorch pieces that run as chains of small elementwise ops on a
 GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm). Inductor turns
 each chain into fused Triton kernels for whichever GPU is present; the eager function stays the
-reference and the CPU path. One compiled callable per function per process: shapes static for
-the pieces that want them (`dynamic=False`); the row-wise pieces (norms, the conv) take
-`dynamic=None`, torch's automatic dynamic shapes, since packed rows change their length from
-step to step: static shapes would compile once per new length (minutes over the first steps)
-until dynamo's recompile limit sends them back to eager.
+reference and the CPU path. One compiled callable per function, shape mode and process. The
+model's pieces compile with static shapes (`dynamic=False`): packed rows of a new length compile
+them again (minutes over the first steps, until dynamo's recompile limit sends them back to
+eager). `dynamic=None` (torch's automatic dynamic shapes: at most two graphs) avoids that, but a
+packed run with it stopped inside Triton 3.6's compiler on an H200, so the model does not ask
+for it yet.
 
 `forced(backend)` (or LONGMOE_FORCE_COMPILE=<backend> in the environment, which reaches spawned
 ranks) runs the compiled path on any device with another torch.compile backend: tests use it on
