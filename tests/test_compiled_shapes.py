@@ -45,3 +45,12 @@ def test_packed_lengths_compile_at_most_twice():
         static = _graphs(fn, False, make, lengths)
         assert dynamic <= 2, (name, dynamic)
         assert static == len(lengths), (name, static)   # what dynamic=None avoids
+
+
+def test_static_pieces_keep_compiling_past_dynamo_default_limit():
+    """Static shapes: a packed run meets up to budget / data.row_multiple lengths (32 at a 32K
+    budget in 1K multiples); past dynamo's default limit of 8 graphs a function would run
+    eagerly for every new length. compiled() lifts the limit so each length gets its graph."""
+    lengths = [64 * i for i in range(1, 13)]
+    fn, make = PIECES["rms_norm"]
+    assert _graphs(fn, False, make, lengths) == len(lengths)

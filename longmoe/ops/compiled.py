@@ -3,8 +3,7 @@ GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm). I
 each chain into fused Triton kernels for whichever GPU is present; the eager function stays the
 reference and the CPU path. One compiled callable per function, shape mode and process. The
 model's pieces compile with static shapes (`dynamic=False`): packed rows of a new length compile
-them again (minutes over the first steps, until dynamo's recompile limit sends them back to
-eager). `dynamic=None` (torch's automatic dynamic shapes: at most two graphs) avoids that, but a
+them again (minutes over the first steps), up to RECOMPILE_LIMIT lengths per function. `dynamic=None` (torch's automatic dynamic shapes: at most two graphs) avoids that, but a
 packed run with it stopped inside Triton 3.6's compiler on an H200, so the model does not ask
 for it yet.
 
@@ -22,6 +21,10 @@ from typing import Callable
 import torch
 
 _CACHE: dict[tuple[Callable, str, bool | None], Callable] = {}
+# Graphs one compiled function may keep (dynamo's default is 8, past which every new shape runs
+# eagerly): static-shaped pieces meet one length per packed row length, up to
+# data.max_tokens_per_micro_batch / data.row_multiple of them (32 at a 32K budget in 1K steps).
+RECOMPILE_LIMIT = 64
 _FORCED: list[str] = []
 
 
@@ -49,6 +52,8 @@ def compiled(fn: Callable, dynamic: bool | None = False) -> Callable:
     backend = _forced() or "inductor"
     key = (fn, backend, dynamic)
     if key not in _CACHE:
+        import torch._dynamo.config as dynamo_config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         _CACHE[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
     return _CACHE[key]
 
