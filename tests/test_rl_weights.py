@@ -250,3 +250,21 @@ def test_weight_sync_bench_smoke(tmp_path):
         t.numel() * t.element_size() for t in exported.values())
     assert r["buckets"] > 1 and r["handoff_s"] > 0 and r["export_hf_s"] > 0
     assert "tiny-hybrid" in markdown_table(r)
+
+
+def test_weight_sync_bench_on_two_ranks_sends_each_tensor_once():
+    """`--nproc 2` at EP 2 on gloo: each rank sends what it owns (rank 1 only its experts), and
+    the two ranks together send exactly the one-rank hand-off's tensors and bytes."""
+    from longmoe.bench.weight_sync import markdown_table, run_bench
+    from longmoe.errors import UserError
+    sets = ["model.preset=tiny-hybrid", "parallel.ep=2"]
+    one = run_bench(None, sets[:1], 0.01, "bfloat16", 1, None, export=False)
+    two = run_bench(None, sets, 0.01, "bfloat16", 1, None, export=False, nproc=2)
+    assert len(two["bytes_per_rank"]) == 2 and min(two["bytes_per_rank"]) > 0
+    assert two["bytes_per_rank"][0] > two["bytes_per_rank"][1]      # rank 0 also sends dense
+    assert two["bytes_total"] == one["bytes_total"] == one["bytes_per_rank"]
+    assert two["tensors"] == one["tensors"]
+    assert "export_hf_s" not in two and "| 2 |" in markdown_table(two)
+    assert "| 1 | 0.000 |" in markdown_table(two)   # the per-rank rows
+    with pytest.raises(UserError, match="--nproc: 3 ranks cannot hold"):
+        run_bench(None, sets, 0.01, "bfloat16", 1, None, export=False, nproc=3)
