@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
 
 import torch
 
 from longmoe.backends import active_backend
+from longmoe.bench import median_ms
 from longmoe.config import PRESETS
 
 
@@ -33,18 +33,6 @@ def _inputs(T, Hk, Hv, dk, dv, device, seed):
     beta = torch.sigmoid(r(1, T, Hv))
     xs = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     return xs + [g.requires_grad_(), beta.to(torch.bfloat16).requires_grad_()]
-
-
-def _median_ms(backend, fn, iters):
-    for _ in range(2):
-        fn()
-    backend.synchronize()
-    times = []
-    for _ in range(iters):
-        t = backend.timer().start()
-        fn()
-        times.append(t.stop())
-    return statistics.median(times)
 
 
 def _kernel_ms(backend, fn, iters):
@@ -67,7 +55,7 @@ def _fla_row(xs, Hk, Hv, backend, iters):
 
     def fn():
         return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
-    return {"variant": "fla_fwd", "status": "ok", "fwd_ms": _median_ms(backend, fn, iters),
+    return {"variant": "fla_fwd", "status": "ok", "fwd_ms": median_ms(backend, fn, iters),
             "kernels_ms": _kernel_ms(backend, fn, iters)}
 
 
@@ -106,8 +94,8 @@ def run_bench(tokens: list[int], configs: list[dict], iters: int = 5,
                     o, _ = gc.chunked_gated_delta(*xs)
                     return torch.autograd.grad(o, xs, do)
                 try:
-                    row.update(status="ok", fwd_ms=_median_ms(backend, fwd, iters),
-                               fwd_bwd_ms=_median_ms(backend, both, iters),
+                    row.update(status="ok", fwd_ms=median_ms(backend, fwd, iters),
+                               fwd_bwd_ms=median_ms(backend, both, iters),
                                kernels_ms=_kernel_ms(backend, both, iters))
                 except Exception as e:  # noqa: BLE001 - record the config's failure
                     row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
