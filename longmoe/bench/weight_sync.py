@@ -91,9 +91,9 @@ def run_bench(config: str | None, overrides: list[str], bucket_mb: float, dtype_
                           device=backend.device_type)
         model = None
     else:
-        model = build_model(run, Layout(1, 0, 1, None, None, None), backend.device(0))
-        ranks = [_handoff(model, run, Layout(1, 0, 1, None, None, None), backend, bucket_mb,
-                          dtype, iters, lambda: None)]
+        alone = Layout(1, 0, 1, None, None, None)
+        model = build_model(run, alone, backend.device(0))
+        ranks = [_handoff(model, run, alone, backend, bucket_mb, dtype, iters, lambda: None)]
     slowest = max(r["handoff_s"] for r in ranks)
     sent = [r["bytes"] for r in ranks]
     peaks = [r["peak"] for r in ranks]

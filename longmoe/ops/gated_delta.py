@@ -349,7 +349,8 @@ def _fla_trial(device) -> str | None:
 
 
 @GATED_DELTA.register("fla", priority=10, check=_fla_check)
-def _fla(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None):
+def _fla(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None, out_dtype=None):
+    # fla returns o in the inputs' dtype: kept as it is when the caller asks for that one
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv != Hk:
@@ -358,8 +359,10 @@ def _fla(q, k, v, g, beta, initial_state=None, starts=None, cu_seqlens=None):
         o, S = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta,
                                       initial_state=initial_state, output_final_state=True,
                                       use_qk_l2norm_in_kernel=True)
-        return o.float(), S
-    return _fla_packed(chunk_gated_delta_rule, q, k, v, g, beta, initial_state, starts, cu_seqlens)
+        return o.to(out_dtype or torch.float32), S
+    o, S = _fla_packed(chunk_gated_delta_rule, q, k, v, g, beta, initial_state, starts,
+                       cu_seqlens)
+    return o.to(out_dtype or torch.float32), S
 
 
 def _fla_packed(kernel, q, k, v, g, beta, initial_state, starts, cu_seqlens):
@@ -385,7 +388,7 @@ def _fla_packed(kernel, q, k, v, g, beta, initial_state, starts, cu_seqlens):
     o, S = kernel(flat(q), flat(k), flat(v), g=flat(g.float()), beta=flat(beta),
                   initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                   cu_seqlens=cu_seqlens)
-    return o.float().view(v.shape), S[row_first + per_row - 1]
+    return o.view(v.shape), S[row_first + per_row - 1]
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", starts=None,
@@ -398,7 +401,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, impl: str = "auto", s
     takes it (the Triton core writes it so directly: half the bytes of o, and of its gradient,
     through memory)."""
     fn = GATED_DELTA.select(impl, q, k, v, g, beta, initial_state).fn
-    kw = {"out_dtype": out_dtype} if fn is _chunked_triton else {}
+    kw = {"out_dtype": out_dtype} if fn in (_chunked_triton, _fla) else {}
     if starts is not None:
         if starts.shape != q.shape[:2] or starts.dtype != torch.bool:
             raise ValueError(f"starts must be bool {tuple(q.shape[:2])}, got {starts.dtype} "
