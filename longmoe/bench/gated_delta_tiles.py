@@ -23,16 +23,12 @@ from longmoe.config import PRESETS
 
 
 def _inputs(T, Hk, Hv, dk, dv, device, seed):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
-    q = torch.nn.functional.normalize(r(1, T, Hk, dk), dim=-1) * dk ** -0.5
-    k = torch.nn.functional.normalize(r(1, T, Hk, dk), dim=-1)
-    v = r(1, T, Hv, dv)
-    A = torch.rand(Hv, device=device, generator=gen) * 15 + 1   # as bench gated-delta's gates
-    g = -A * torch.nn.functional.softplus(r(1, T, Hv) + 1.0) * 0.05
-    beta = torch.sigmoid(r(1, T, Hv))
-    xs = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
-    return xs + [g.requires_grad_(), beta.to(torch.bfloat16).requires_grad_()]
+    """bench gated-delta's inputs, with q and k normalised (and q scaled) as the core gets them."""
+    from longmoe.bench.gated_delta import _inputs as core_inputs
+    q, k, v, g, beta = (x.detach() for x in core_inputs(T, Hk, Hv, dk, dv, device,
+                                                         torch.bfloat16, seed))
+    norm = lambda x, s: (torch.nn.functional.normalize(x.float(), dim=-1) * s).to(x.dtype)  # noqa: E731
+    return [x.requires_grad_() for x in (norm(q, dk ** -0.5), norm(k, 1.0), v, g, beta)]
 
 
 def _kernel_ms(backend, fn, iters):
