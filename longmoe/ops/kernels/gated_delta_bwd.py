@@ -124,8 +124,10 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
         _store_rows(dv_ptr, dvb * beta[:, None], b, t, ok, T, Hv, h, DV, v0, BV)
         dbeta += tl.sum(dvb * v, 1)
     # dw = -neg_dw, w = Tinv kb with kb = beta e^gamma k: the tiles live one after another
-    # (the kernel sits at the register limit)
-    dkb = -tl.dot(tinv_t, neg_dw, input_precision=PRECISION)           # d kb
+    # (the kernel sits at the register limit). The products with Tinv take their fp32 factors
+    # rounded to the inputs' dtype, as the forward's do: in fp32 they made the kernel twice as
+    # slow on an H200 (tf32 operands held twice the shared memory and registers)
+    dkb = -tl.dot(tinv_td, neg_dw.to(dt), input_precision=PRECISION)   # d kb
     dtinv -= tl.dot(neg_dw.to(dt), tl.trans((k * kscale[:, None]).to(dt)),
                     input_precision=PRECISION)
     r = tl.sum(dkb * k.to(tl.float32), 1)
@@ -133,7 +135,7 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
     dgam = r * kscale
     dbeta += r * tl.exp(gam) * first.to(tl.float32)
     # d(I + A) = -Tinv^T dTinv Tinv^T; only A's strict lower part (same segment) is a variable
-    dA = -tl.dot(tl.dot(tinv_t, dtinv, input_precision=PRECISION), tinv_t,
+    dA = -tl.dot(tl.dot(tinv_td, dtinv.to(dt), input_precision=PRECISION).to(dt), tinv_td,
                  input_precision=PRECISION)
     # A_ij = beta_i (k_i.k_j) e^(gamma_i - gamma_j)
     dAE = dA * _decay(gam, seg, C, True)
