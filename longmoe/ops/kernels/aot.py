@@ -141,7 +141,7 @@ def _gated_delta_specs():
     kernels = [  # (name, fn, pointers, ints, extra constexprs, warps key, column block key)
         ("gdn_prep", gf.gdn_prep_kernel,
          dict(k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=bf, starts_ptr=u8, gam_ptr=f32,
-              tinv_ptr=f32, w_ptr=bf, u_ptr=bf), ("T", "Hk", "Hv"), {}, "num_warps", "BV_OUT"),
+              tinv_ptr=f32, w_ptr=bf, u_ptr=bf), ("T", "Hk", "Hv"), {}, "num_warps_prep", "BV_OUT"),
         ("gdn_states", gf.gdn_states_kernel,
          dict(k_ptr=bf, w_ptr=bf, u_ptr=bf, gam_ptr=f32, starts_ptr=u8, h0_ptr=f32, h_ptr=bf,
               vn_ptr=bf, ht_ptr=f32), ("T", "n", "Hk", "Hv"),

@@ -68,7 +68,7 @@ def _forward_pieces(q, k, v, g, beta, h0, starts, cfg, prec, s: _Shapes):
     tinv = torch.empty(B, T, Hv, s.C, device=q.device, dtype=torch.float32)
     w = torch.empty(B, T, Hv, s.DK, device=q.device, dtype=q.dtype)
     u = torch.empty(B, T, Hv, s.DV, device=q.device, dtype=q.dtype)
-    _launch(gdn_prep_kernel, (n, B * Hv), cfg, "num_warps", k, v, g, beta, st, gam, tinv, w, u,
+    _launch(gdn_prep_kernel, (n, B * Hv), cfg, "num_warps_prep", k, v, g, beta, st, gam, tinv, w, u,
             T, s.Hk, Hv, BV=s.BVO, BK=s.BKP, HAS_STARTS=has_starts, PRECISION=prec, **s.dims)
     h = torch.empty(B, n, Hv, s.DK, s.DV, device=q.device, dtype=q.dtype)
     vn = torch.empty_like(u)
