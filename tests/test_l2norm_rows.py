@@ -63,15 +63,16 @@ def _case(lead, D, in_dt, out_dt, scale, layout, seed, device="cpu"):
     small = torch.rand(*lead, generator=gen) < 0.2
     x = torch.where(small[..., None], x * 1e-4, x)
     idt, odt = getattr(torch, in_dt), getattr(torch, out_dt)
+    # the layouts are made on the device: moving a view there would copy it into a dense tensor
+    x = x.to(device)
     if layout == "slice":
-        wide = torch.randn(*lead, 2 * D, generator=gen, dtype=torch.float64).to(idt)
+        wide = torch.randn(*lead, 2 * D, generator=gen, dtype=torch.float64).to(device, idt)
         wide[..., D:] = x.to(idt)
         x_in = wide[..., D:]
     elif layout == "transposed":
         x_in = x.to(idt).transpose(0, 1).contiguous().transpose(0, 1)
     else:
         x_in = x.to(idt)
-    x, x_in = x.to(device), x_in.to(device)
     assert x_in.is_contiguous() == (layout is None)
     # the layer's slices are read where they lie; only what cannot be rows x strides is copied
     assert (_as_NHD(x_in).data_ptr() == x_in.data_ptr()) == (layout != "transposed")
