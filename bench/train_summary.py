@@ -49,17 +49,19 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--what", required=True, help="what was trained (model, tokens, settings)")
     p.add_argument("--arm", action="append", required=True, metavar="NAME=METRICS.jsonl")
-    p.add_argument("--provenance", required=True, help="a bench JSON of the same run")
+    p.add_argument("--provenance", help="a bench JSON of the same run; without it the date, "
+                                        "commit, device and versions are this machine's now "
+                                        "(run it where the arms ran)")
     p.add_argument("--command", required=True, help="the train command (arms differ in --set)")
     p.add_argument("--date", help="the run's date (UTC), when the provenance report is of "
                                   "another run on the same machine image")
     p.add_argument("--commit", help="the run's commit, likewise")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    prov = json.load(open(a.provenance))
+    prov = json.load(open(a.provenance)) if a.provenance else {}
     report = {"bench": "train", "what": a.what, "command": a.command,
               **{k: prov.get(k) for k in ("date", "commit", "device", "versions")}, "arms": {}}
-    if a.date or a.commit:
+    if a.provenance and (a.date or a.commit):
         report.update({k: v for k, v in (("date", a.date), ("commit", a.commit)) if v})
         report["provenance"] = (f"date and commit of this run; device and versions from "
                                 f"{prov.get('bench')} at {prov.get('commit')} "
