@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from longmoe.config import get_preset
 from longmoe.model import MoETransformer
-from longmoe.model.flops import dense_peak_flops, step_flops
+from longmoe.model.flops import attention_core_flops_per_token, dense_peak_flops, step_flops
 from longmoe.ops.recompute import apply_recompute
 
 
@@ -84,3 +84,14 @@ def test_packed_lengths_count_attention_per_sample():
     assert 60_000 < c < 90_000
     assert balance_crossover(cfg.replace(layer_types=("linear_attention",) * cfg.num_layers)) \
         == float("inf")
+
+
+def test_keep_attention_drops_the_recomputed_attention_cores():
+    cfg = get_preset("qwen3.5-35b-a3b")
+    full = step_flops(cfg, 32768, 32768, "full")
+    keep = step_flops(cfg, 32768, 32768, "full", keep_attention=True)
+    n_attn = cfg.layer_types.count("full_attention")
+    core = attention_core_flops_per_token(cfg, 32768) * 32768
+    assert keep.model == full.model
+    assert full.hardware - keep.hardware == pytest.approx(n_attn * core, rel=1e-12)
+    assert step_flops(cfg, 32768, 32768, "none", keep_attention=True).hardware == full.model

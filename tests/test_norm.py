@@ -64,3 +64,23 @@ def test_gpu_compiled_norm_bf16_against_fp64(shape, unit_offset):
         scale = r.abs().max()
         err, err_eager = float((a - r).abs().max() / scale), float((e - r).abs().max() / scale)
         assert err <= max(2 * err_eager, 1e-2), (name, err, err_eager, seed)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_norm_with_rope_compiled_graph_matches_eager(packed):
+    """The q/k norm and RoPE as one compiled piece (RMSNorm.with_rope) against the eager chain,
+    per-row cos/sin (packed rows restart positions) as well as shared ones; gradients of x and
+    the weight."""
+    from longmoe.model.layers import apply_rope, rope_cos_sin
+    seed, x, norm, dy = _case((2, 29, 3, 16), torch.float32, True)
+    pos = torch.randint(0, 29, (2, 29)) if packed else torch.arange(29)
+    cos, sin = rope_cos_sin(pos, 8, 10000.0, torch.float32)
+
+    def eager(t):
+        return apply_rope(rms_norm(t, norm.weight, norm.eps, norm.unit_offset), cos, sin)
+
+    want = _run(eager, x, norm.weight, dy)
+    with forced("aot_eager_decomp_partition"):
+        got = _run(lambda t: norm.with_rope(t, cos, sin), x, norm.weight, dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")

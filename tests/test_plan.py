@@ -473,3 +473,41 @@ def test_recipe_plans_in_tokens_per_micro_batch(tmp_path, capsys):
     r = load_run_config(str(out))
     assert r.parallel.grad_sync == "step" and r.data.budget == 131072
     assert "--grad-sync step" in out.read_text().splitlines()[0]
+
+
+def test_keep_attention_adds_the_kernels_tensors_of_each_recomputed_attention_layer():
+    # (3 N D + 2 K D) bf16 + an fp32 lse per head a token on each full-attention layer that is
+    # recomputed: q, out and the gate's sigmoid, k and v; none under recompute none.
+    from dataclasses import replace
+
+    from longmoe.plan.memory import Assumptions, activation_bytes
+    cfg = get_preset(Q35).replace(num_layers=8)
+    a = Assumptions(linear_core="compiled")
+    lay, T = Layout(8, 1, 1, 8, 1), 32768
+    per_tok = activation_bytes(cfg, a)["attn_kernel"]
+    nd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert per_tok == 2 * (3 * nd + 2 * kd) + 4 * cfg.num_heads
+    assert 0.75 < per_tok * T / 2**30 < 0.85          # ~0.8 GiB a layer at 32K tokens
+    w = Workload(T)
+    assert estimate(cfg, lay, replace(w, keep_attention=True), a).peak > estimate(cfg, lay, w, a).peak
+    # With 4 layers kept the peak is the LM head's, every stored activation alive: a kept
+    # trailing attention layer stores everything already, only the recomputed ones add.
+    kept = replace(w, keep_last=4)
+    with_kernels = estimate(cfg, lay, replace(kept, keep_attention=True), a)
+    plain = estimate(cfg, lay, kept, a)
+    assert with_kernels.phase == plain.phase == "LM head"
+    n_attn = cfg.layer_types[:4].count("full_attention")
+    assert with_kernels.activations - plain.activations == T * n_attn * per_tok
+    none = replace(w, recompute="none")
+    assert estimate(cfg, lay, replace(none, keep_attention=True), a).peak == estimate(cfg, lay, none, a).peak
+
+
+def test_recipe_keep_attention_is_planned_and_written(tmp_path, capsys):
+    peaks = {}
+    for flag in ([], ["--keep-attention"]):
+        out = tmp_path / f"plan{len(flag)}.yaml"
+        assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "mi300x", "--gpus", "8",
+                     "--seq-len", "65536", "--format", "json", "--out", str(out)] + flag) == 0
+        peaks[bool(flag)] = json.loads(capsys.readouterr().out)["peak_bytes"]
+        assert ("keep_attention: true" in out.read_text()) == bool(flag)
+    assert peaks[True] > peaks[False]

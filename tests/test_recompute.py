@@ -49,3 +49,54 @@ def test_per_layer_policies_in_the_run_config():
                    "parallel": {"recompute": ["full", "selective", "none"]}})
     with pytest.raises(ConfigError, match="parallel.recompute"):
         from_dict({"parallel": {"recompute": "some"}})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_keep_attention_is_exact_and_keeps_only_the_kernel(preset):
+    """Full recompute around the attention kernel: the same loss and gradients as stored
+    activations (bitwise on CPU: same ops, same order), and a peak between plain full
+    recompute and storing everything."""
+    seed = random.randrange(2**31)
+    keep = recompute_case("auto", seed, policy="full", keep_attention=True, preset=preset)
+    full = recompute_case("auto", seed, policy="full", preset=preset)
+    assert keep.ok, keep.failures()
+    from longmoe.backends import active_backend
+    if active_backend().device_type == "cpu":
+        assert keep.max_error == 0.0
+    ref = keep.peak_bytes["reference"]
+    assert full.peak_bytes["candidate"] <= keep.peak_bytes["candidate"] < ref, (
+        keep.peak_bytes, full.peak_bytes)
+    if preset == "tiny":  # every block keeps its kernel's tensors: above plain full recompute
+        assert full.peak_bytes["candidate"] < keep.peak_bytes["candidate"]
+
+
+def test_keep_attention_skips_the_kernel_in_the_backward(monkeypatch):
+    """The attention kernel runs once per attention block with keep_attention (twice under
+    plain full recompute); Gated DeltaNet blocks are recomputed whole either way."""
+    from longmoe.config import get_preset
+    from longmoe.model.layers import Attention
+    from longmoe.model.transformer import MoETransformer
+    cfg = get_preset("tiny-hybrid")
+    calls = []
+    core = Attention.core
+    monkeypatch.setattr(Attention, "core", lambda self, *a, **k: calls.append(1) or core(self, *a, **k))
+    for keep, expected in ((True, 1), (False, 2)):
+        m = MoETransformer(cfg)
+        m.init_weights(0)
+        m.layers = torch.nn.ModuleList(apply_recompute(b, "full", keep_attention=keep)
+                                       for b in m.layers)
+        kept = [getattr(b, "keep_attention", False) for b in m.layers]
+        assert kept == [keep and t == "full_attention" for t in cfg.layer_types]
+        ids = torch.randint(0, cfg.vocab_size, (2, 24))
+        calls.clear()
+        lp, _, aux, _ = m(ids, ids)
+        (-lp.mean() + aux).backward()
+        assert len(calls) == expected * cfg.layer_types.count("full_attention")
+
+
+def test_keep_attention_in_the_run_config():
+    from longmoe.errors import ConfigError
+    from longmoe.train.config import from_dict
+    assert from_dict({"parallel": {"keep_attention": True}}).parallel.keep_attention is True
+    with pytest.raises(ConfigError, match="parallel.keep_attention"):
+        from_dict({"parallel": {"keep_attention": "yes"}})

@@ -13,7 +13,8 @@ A linear_attention (Gated DeltaNet) layer replaces the attention terms by
   gated delta core       Hv*(6*dk*dv + 2*C*(2*dk + dv) + C*(dk + dv)), C = 64 (chunked form:
                          state read/correct/write, intra-chunk QK^T, KK^T and A@U, the solve)
 and once per token the LM head 2*H*V. Training is 3x forward (backward = 2x). Full recompute runs
-each block's forward again (+1x the layers, not the head: linear CE is not recomputed); selective
+each block's forward again (+1x the layers, not the head: linear CE is not recomputed; with
+keep_attention not the attention cores of full-attention layers either); selective
 recompute keeps every matmul/attention output and re-runs only memory-bound ops, which add no
 matmul FLOPs (counted as 0 here). The routed experts' combine (a router-weighted sum of K rows
 per token) is memory-bound row work, not a matmul (ops/moe_rows.py), and is not counted either:
@@ -73,27 +74,31 @@ def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool =
 
 
 def step_flops(cfg: ModelConfig, tokens: int, seq_len: int, recompute="none",
-               causal: bool = True, lengths: Sequence[int] | None = None) -> StepFlops:
+               causal: bool = True, lengths: Sequence[int] | None = None,
+               keep_attention: bool = False) -> StepFlops:
     """FLOPs of one fwd+bwd over `tokens` tokens arranged in sequences of `seq_len`;
     `recompute` is one policy or one per layer. `lengths`: the tokens are instead samples of
     these lengths (packed rows: attention is per sample, so its core costs the sum over samples
-    of length x (length + 1) / 2 pairs; `tokens` and `seq_len` are then ignored)."""
+    of length x (length + 1) / 2 pairs; `tokens` and `seq_len` are then ignored).
+    `keep_attention` (parallel.keep_attention): fully recomputed full-attention layers do not
+    run their attention core again."""
     groups = Counter(int(n) for n in lengths if n > 0) if lengths is not None else \
         {seq_len: tokens / seq_len if seq_len else 0}
     policies = [recompute] * cfg.num_layers if isinstance(recompute, str) else list(recompute)
     n_tok = sum(L * c for L, c in groups.items())
-    per_layer, core = [], 0.0
+    per_layer, cores = [], []
     for i in range(cfg.num_layers):
         kind = cfg.layer_type(i)
         per_layer.append(sum(layer_forward_flops_per_token(cfg, L, causal, kind) * L * c
                              for L, c in groups.items()))
-        core += sum((attention_core_flops_per_token(cfg, L, causal) if kind == "full_attention"
-                     else linear_attention_flops_per_token(cfg)[1]) * L * c
-                    for L, c in groups.items())
-    layers = sum(per_layer)
+        cores.append(sum((attention_core_flops_per_token(cfg, L, causal) if kind == "full_attention"
+                          else linear_attention_flops_per_token(cfg)[1]) * L * c
+                         for L, c in groups.items()))
+    layers, core = sum(per_layer), sum(cores)
     head = 2 * cfg.hidden_size * cfg.vocab_size * n_tok
     model = 3 * (layers + head)
-    extra = sum(f for f, p in zip(per_layer, policies) if p == "full")
+    extra = sum(f - (c if keep_attention and cfg.layer_type(i) == "full_attention" else 0)
+                for i, (f, c, p) in enumerate(zip(per_layer, cores, policies)) if p == "full")
     return StepFlops(model=model, hardware=model + extra, forward_layers=layers, forward_head=head,
                      forward_attn_core=core)
 

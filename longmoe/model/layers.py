@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
         fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm)
         return fn(x, self.weight, self.eps, self.unit_offset)
 
+    def with_rope(self, x_BSND, cos, sin):
+        """The norm, then RoPE (apply_rope): on GPUs one compiled piece, so the rotation's
+        slices and concatenations fuse into the norm's kernel instead of copying q and k."""
+        fn = norm_rope if compile_unavailable(x_BSND.device) else compiled(norm_rope)
+        return fn(x_BSND, self.weight, self.eps, self.unit_offset, cos, sin)
+
     def reset_parameters(self):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
@@ -61,6 +67,11 @@ def apply_rope(x_BSND, cos, sin):
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
+def norm_rope(x_BSND, weight, eps: float, unit_offset: bool, cos, sin):
+    """rms_norm over the head dim, then apply_rope."""
+    return apply_rope(rms_norm(x_BSND, weight, eps, unit_offset), cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -80,6 +91,11 @@ class Attention(nn.Module):
     def forward(self, x_BSH, cos_SR, sin_SR, packing=None):
         """`packing` (longmoe.model.packing.PackedRows, or None for one sample per row): the
         rows' samples; attention stays inside each."""
+        q_BSND, k_BSKD, v_BSKD, gate_BSND = self.project(x_BSH, cos_SR, sin_SR)
+        return self.output(self.core(q_BSND, k_BSKD, v_BSKD, packing), gate_BSND)
+
+    def project(self, x_BSH, cos_SR, sin_SR):
+        """(q, k, v, sigmoid of the output gate or None): the projections, q/k norms and RoPE."""
         cfg = self.cfg
         B, S, _ = x_BSH.shape
         n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -87,23 +103,33 @@ class Attention(nn.Module):
         gate_BSND = None
         if cfg.attn_output_gate:
             q, gate_BSND = q.view(B, S, n, 2 * d).chunk(2, dim=-1)
+            gate_BSND = torch.sigmoid(gate_BSND)
         q_BSND = q.reshape(B, S, n, d)
         k_BSKD = self.k_proj(x_BSH).view(B, S, k, d)
         v_BSKD = self.v_proj(x_BSH).view(B, S, k, d)
         if cfg.qk_norm:
-            q_BSND, k_BSKD = self.q_norm(q_BSND), self.k_norm(k_BSKD)
-        q_BSND = apply_rope(q_BSND, cos_SR, sin_SR)
-        k_BSKD = apply_rope(k_BSKD, cos_SR, sin_SR)
-        if self.cp is not None:  # local queries against the CP group's gathered keys/values
-            k_BSKD, v_BSKD = self.cp.gather_kv(k_BSKD), self.cp.gather_kv(v_BSKD)
-            o_BSND = self.cp.attention(q_BSND, k_BSKD, v_BSKD, enable_gqa=n != k, sdpa=self.sdpa,
-                                       packing=packing)
-        elif packing is not None:
-            o_BSND = self.sdpa.packed(q_BSND, k_BSKD, v_BSKD, packing.span())
+            q_BSND = self.q_norm.with_rope(q_BSND, cos_SR, sin_SR)
+            k_BSKD = self.k_norm.with_rope(k_BSKD, cos_SR, sin_SR)
         else:
-            o_BSND = self.sdpa(
-                q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
-                is_causal=True, enable_gqa=n != k).transpose(1, 2)
+            q_BSND, k_BSKD = apply_rope(q_BSND, cos_SR, sin_SR), apply_rope(k_BSKD, cos_SR, sin_SR)
+        return q_BSND, k_BSKD, v_BSKD, gate_BSND
+
+    def core(self, q_BSND, k_BSKD, v_BSKD, packing=None):
+        """The attention kernel: [B, S, N, D] out. Under context parallelism the local queries
+        attend the CP group's gathered keys and values."""
+        n, k = self.cfg.num_heads, self.cfg.num_kv_heads
+        if self.cp is not None:
+            k_BSKD, v_BSKD = self.cp.gather_kv(k_BSKD), self.cp.gather_kv(v_BSKD)
+            return self.cp.attention(q_BSND, k_BSKD, v_BSKD, enable_gqa=n != k, sdpa=self.sdpa,
+                                     packing=packing)
+        if packing is not None:
+            return self.sdpa.packed(q_BSND, k_BSKD, v_BSKD, packing.span())
+        return self.sdpa(q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
+                         is_causal=True, enable_gqa=n != k).transpose(1, 2)
+
+    def output(self, o_BSND, gate_BSND=None):
+        """The gated output projection; `gate_BSND` is already through its sigmoid."""
+        B, S = o_BSND.shape[:2]
         if gate_BSND is not None:
-            o_BSND = o_BSND * torch.sigmoid(gate_BSND)
-        return self.o_proj(o_BSND.reshape(B, S, n * d))
+            o_BSND = o_BSND * gate_BSND
+        return self.o_proj(o_BSND.reshape(B, S, -1))

@@ -40,6 +40,29 @@ class Block(nn.Module):
         y_BSH, aux = self.moe(self.moe_norm(x_BSH))
         return x_BSH + y_BSH, aux
 
+    @property
+    def has_attention_kernel(self) -> bool:
+        return isinstance(self.attn, Attention)
+
+    def forward_around_attention(self, x_BSH, cos, sin, packing=None, *, recompute):
+        """forward with the attention kernel outside the recomputed regions (full attention
+        layers only): `recompute(fn, *args)` runs what comes before the kernel (norm,
+        projections, q/k norms, RoPE) and what comes after it (gate, output projection, MoE)
+        as two recomputed regions, while the kernel's own saved tensors (q, k, v, its output
+        and log-sum-exp) and the output gate are kept, so the backward never runs the kernel's
+        forward again. Same values as forward."""
+        q, k, v, gate = recompute(self._before_attention, x_BSH, cos, sin)
+        o_BSND = self.attn.core(q, k, v, packing)
+        return recompute(self._after_attention, x_BSH, o_BSND, gate)
+
+    def _before_attention(self, x_BSH, cos, sin):
+        return self.attn.project(self.attn_norm(x_BSH), cos, sin)
+
+    def _after_attention(self, x_BSH, o_BSND, gate_BSND):
+        x_BSH = x_BSH + self.attn.output(o_BSND, gate_BSND)
+        y_BSH, aux = self.moe(self.moe_norm(x_BSH))
+        return x_BSH + y_BSH, aux
+
 
 class LMHead(nn.Module):
     """Final norm + output projection. Its forward returns per-token log-probs (and entropy) of

@@ -218,13 +218,18 @@ def gated_delta_case(impl="auto", seed=0, B=2, T=77, Hk=2, Hv=4, dk=16, dv=12, d
     return res
 
 
-def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="full") -> PairedResult:
-    """A stack of tiny-preset blocks, recompute (`policy`) vs stored activations: identical math,
-    so the tolerance is fp32 round-off; the memory column shows what recompute frees."""
+def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="full",
+                   keep_attention=False, preset="tiny") -> PairedResult:
+    """A stack of tiny-preset blocks, recompute (`policy`, `keep_attention`) vs stored
+    activations: identical math, so the tolerance is fp32 round-off; the memory column shows
+    what recompute frees. `preset`: "tiny" (3 attention blocks) or "tiny-hybrid" (3 Gated
+    DeltaNet blocks, then attention)."""
     from longmoe.model.transformer import MoETransformer
     backend = active_backend()
     device = device or backend.device(0)
-    cfg = get_preset("tiny").replace(num_layers=3, router_aux_loss_coef=1e-2)
+    cfg = get_preset(preset).replace(router_aux_loss_coef=1e-2)
+    if preset == "tiny":
+        cfg = cfg.replace(num_layers=3)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
     labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
@@ -233,7 +238,8 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="fu
         with torch.device(device):
             m = MoETransformer(cfg)
         m.init_weights(seed)
-        m.layers = torch.nn.ModuleList(apply_recompute(b, policy, impl) for b in m.layers)
+        m.layers = torch.nn.ModuleList(apply_recompute(b, policy, impl, keep_attention)
+                                       for b in m.layers)
         return m
 
     models = {"full": build(policy), "none": build("none")}
@@ -247,7 +253,8 @@ def recompute_case(impl="auto", seed=0, batch=2, seq=96, device=None, policy="fu
         return loss.detach(), {n.replace("block.", ""): p.grad.clone()
                                for n, p in m.named_parameters()}
 
-    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({policy})",
+    label = policy + (", keep_attention" if keep_attention else "")
+    res = PairedResult("recompute", f"{'checkpoint' if impl == 'auto' else impl} ({label})",
                        "reference (stored activations)",
                        TOLERANCE[torch.float32], info={"layers": cfg.num_layers, "tokens": batch * seq})
     (lc, gc), (lr, gr) = run("full"), run("none")

@@ -83,6 +83,9 @@ class Workload:
     # With recompute full/selective: the last `keep_last` layers store their activations instead
     # (their backward runs first, so they are freed before any recomputed layer's working set).
     keep_last: int = 0
+    # Full recompute keeps the attention kernel's tensors in full-attention layers
+    # (parallel.keep_attention): activation_bytes "attn_kernel" a token on each.
+    keep_attention: bool = False
     # Several micro-batches a step (token-budget rows, longmoe.train.step.accumulate): "step"
     # reduces gradients once per step, so FSDP2 keeps every gradient unsharded in fp32 until the
     # last micro-batch (the local model's size, on every rank); "micro_batch" reduce-scatters
@@ -180,7 +183,10 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
     # Alive only around the dispatch/combine: the all-to-all send/recv copies and, in backward,
     # their gradients (three H-wide copies and the FFN gradient at once).
     routed_transient = 3 * b * H + 2 * b * F
-    out = {"layer_input": b * H, "attn": attn, "moe_dense": moe_dense,
+    # keep_attention: what a fully recomputed attention layer keeps of the kernel (q, k, v, out,
+    # lse) and the output gate's sigmoid, beside its input.
+    attn_kernel = b * (nd + 2 * kd) + b * nd + 4 * cfg.num_heads + (b * nd if cfg.attn_output_gate else 0)
+    out = {"layer_input": b * H, "attn": attn, "attn_kernel": attn_kernel, "moe_dense": moe_dense,
            "routed_saved": routed_saved, "routed_transient": routed_transient, "linear_attn": 0}
     if a.linear_core in ("chunked", "compiled") and any(cfg.layer_type(i) == "linear_attention"
                                           for i in range(cfg.num_layers)):
@@ -372,10 +378,16 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     stored_tok = {"full": act["layer_input"],
                   "selective": act["layer_input"] + act["attn"], "none": 0}[w.recompute]
     kept_tok = sum(stored_none(i) for i in range(L - keep, L))   # per token, the kept layers
-    per_mb = T * ((L - keep) * stored_tok + kept_tok)
+    attn_kept = 0
+    if w.keep_attention and w.recompute == "full":
+        attn_kept = act["attn_kernel"] * sum(cfg.layer_type(i) == "full_attention"
+                                             for i in range(L - keep))
+    per_mb = T * ((L - keep) * stored_tok + kept_tok + attn_kept)
     n["activations"] = (f"{w.recompute} recompute: {stored_tok / 1024:.1f} KiB/token/layer "
                         f"x {L - keep} layers" + (f" + the last {keep} kept: "
-                                                  f"{kept_tok / 1024:.1f} KiB/token" if keep else ""))
+                                                  f"{kept_tok / 1024:.1f} KiB/token" if keep else "")
+                        + (f" + attention kernels kept: {attn_kept / 1024:.1f} KiB/token"
+                           if attn_kept else ""))
     working_none = T * 2 * b * max(H, cfg.num_heads * cfg.head_dim)   # gradient buffers only
     if w.recompute == "none":      # everything is stored; backward adds gradient buffers only
         working = working_none

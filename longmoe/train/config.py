@@ -46,6 +46,11 @@ class ParallelConfig:
     fsdp: bool = True               # FSDP2 over all ranks (experts over the ranks left by EP)
     # none | selective | full, or one of those per layer (a list as long as model.num_layers)
     recompute: str | tuple = "none"
+    # Under full recompute, full-attention layers keep their attention kernel's saved tensors and
+    # output gate (q, k, v, output, log-sum-exp, gate: (3*N*D + 2*K*D) * 2 bytes a token, ~0.8
+    # GiB a layer at 32K tokens of the Qwen3.5 shape) instead of running the kernel's forward
+    # again in the backward (longmoe.ops.recompute).
+    keep_attention: bool = False
     param_dtype: str = "float32"    # FSDP2 compute dtype (bfloat16 on GPUs)
     reduce_dtype: str = "float32"   # gradient reduction dtype
     reshard_after_forward: bool = True
@@ -81,6 +86,9 @@ class ParallelConfig:
             if p not in ("none", "selective", "full"):
                 raise ConfigError("parallel.recompute",
                                   f"must be none, selective or full (or a list of them), got {p!r}")
+        if not isinstance(self.keep_attention, bool):
+            raise ConfigError("parallel.keep_attention",
+                              f"must be true or false, got {self.keep_attention!r}")
         for f in ("param_dtype", "reduce_dtype"):
             if getattr(self, f) not in _DTYPES:
                 raise ConfigError(f"parallel.{f}", f"must be one of {_DTYPES}")

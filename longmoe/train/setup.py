@@ -68,7 +68,7 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
         moe.dispatcher.rows_impl = moe.experts.rows_impl = run.impl.moe_rows
         moe.batch_group = layout.batch_group
     model.layers = nn.ModuleList(apply_recompute(b, layer_policy(par.recompute, i),
-                                                 run.impl.recompute)
+                                                 run.impl.recompute, par.keep_attention)
                                  for i, b in enumerate(model.layers))
     if par.fsdp and layout.dp_mesh is not None:
         apply_fsdp(model, layout, torch_dtype(par.param_dtype), torch_dtype(par.reduce_dtype),

@@ -195,7 +195,8 @@ def step_metrics(run: RunConfig, layout, data: StepData, step: int, stats: dict,
     those of the samples as trained (attention per sample, longmoe.model.flops with their
     lengths), so padding never counts as work done."""
     cp, world = layout.cp, layout.world
-    fl = step_flops(run.model, 0, 0, run.parallel.recompute, lengths=data.lengths)
+    fl = step_flops(run.model, 0, 0, run.parallel.recompute, lengths=data.lengths,
+                    keep_attention=run.parallel.keep_attention)
     # Quantities of a data rank sit on each of its cp ranks: summed over ranks, / cp.
     vals = _sum([data.masked / cp, data.truncated / cp, fl.model / cp, fl.hardware / cp,
                  data.cost / cp], device)
