@@ -155,3 +155,15 @@ def test_expert_chunk_plan_puts_each_expert_in_one_chunk():
         assert ((flat[a0:a1] >= lo) & (flat[a0:a1] < hi)).all()
         assert a1 - a0 == int(((idx >= lo) & (idx < hi)).sum())
         assert all(n == 0 for e, n in enumerate(p.expert_rows[c]) if not lo <= e < hi)
+
+
+@pytest.mark.parametrize("numel,n", [(0, 5), (1, 1), (1000, 7), (262144, 32), (3000, 20000)])
+def test_count_ids_both_ways_match_bincount(numel, n, monkeypatch):
+    """count_ids compares against every bin for small problems and scatter-adds past
+    ONE_HOT_COUNT_MAX: both are exact counts (the last case takes the scatter path)."""
+    from longmoe.parallel import routing
+    ids = torch.randint(0, n, (numel,))
+    want = torch.bincount(ids, minlength=n)
+    assert torch.equal(routing.count_ids(ids, n), want)
+    monkeypatch.setattr(routing, "ONE_HOT_COUNT_MAX", 0)
+    assert torch.equal(routing.count_ids(ids.view(-1, 1) if numel else ids, n), want)

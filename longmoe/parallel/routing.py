@@ -121,11 +121,20 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     return plan
 
 
+# count_ids compares every id with every bin (one [ids, n] boolean pass and a column sum) up to
+# this many comparisons; past it, it scatter-adds. On an H200, 262,144 ids into 32 bins took 0.1
+# ms as a scatter-add (every id an atomic add on one of 32 addresses).
+ONE_HOT_COUNT_MAX = 1 << 25
+
+
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """How often each of 0..n-1 occurs in `ids` (int64), without a host synchronisation:
     torch.bincount on a GPU reads the ids' range back to the host first, which drains the
-    device queue once more per MoE layer. Integer adds, so the result is exact in any order."""
+    device queue once more per MoE layer. Integer sums, so the result is exact in any order."""
     ids = ids.reshape(-1)
+    if ids.numel() * n <= ONE_HOT_COUNT_MAX:
+        bins = torch.arange(n, device=ids.device, dtype=ids.dtype)
+        return (ids[:, None] == bins).sum(0, dtype=torch.int64)
     return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(
         0, ids, torch.ones_like(ids, dtype=torch.int64))
 
