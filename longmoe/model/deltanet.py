@@ -19,6 +19,7 @@ from torch import nn
 from longmoe.config import ModelConfig
 from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.gated_delta import gated_delta_rule
+from longmoe.ops.kernels import triton_ready
 
 
 def causal_conv_silu(x_BSC, w_CK, halo_BKC=None, history_BS=None):
@@ -104,13 +105,23 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, qkv_BSC, halo_BKC=None, history_BS=None):
         """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros);
-        `history` (packed rows): tokens since each token's sample began. On GPUs compiled into
-        fused kernels, unless an eager core was asked for."""
+        `history` (packed rows): tokens since each token's sample began. Where Triton kernels
+        run (GPUs; CPU under TRITON_INTERPRET=1) our fused kernels (ops/kernels/causal_conv.py:
+        inductor's took ~1.0 ms forward and ~3.45 ms backward per layer at 32K tokens x 8192
+        channels on an H200, where the bytes need ~0.3 and ~0.5); else, on GPUs, compiled.
+        The compiled core ("chunked_compiled") keeps the compiled conv beside it, an eager core
+        the eager conv."""
+        w_CK = self.conv1d.weight[:, 0]
+        kernel_dtypes = {torch.float32, torch.bfloat16, torch.float16}  # fp64 (tests) is not
+        if (self.impl not in ("chunked", "reference", "chunked_compiled")
+                and triton_ready(qkv_BSC.device) is None and 2 <= self.kernel <= 8
+                and {qkv_BSC.dtype, w_CK.dtype} <= kernel_dtypes):
+            from longmoe.ops.kernels.causal_conv import causal_conv_silu_triton
+            return causal_conv_silu_triton(qkv_BSC, w_CK, halo_BKC, history_BS)
         if self._fused(qkv_BSC):
-            return compiled(causal_conv_silu)(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC,
-                                              history_BS)
+            return compiled(causal_conv_silu)(qkv_BSC, w_CK, halo_BKC, history_BS)
         if history_BS is not None:  # per-tap masks: F.conv1d has no way to take them
-            return causal_conv_silu(qkv_BSC, self.conv1d.weight[:, 0], halo_BKC, history_BS)
+            return causal_conv_silu(qkv_BSC, w_CK, halo_BKC, history_BS)
         x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward
         x = F.pad(x, (self.kernel - 1, 0)) if halo_BKC is None else \
             torch.cat([halo_BKC.transpose(1, 2), x], -1)
