@@ -26,7 +26,7 @@ while [ $# -ge 2 ]; do
     timeout "${ARM_LIMIT:-240}" python3 -m longmoe train "${BASE[@]}" $sets "${prof[@]}" \
         --metrics-out "$LOGS/$name.jsonl" > "$LOGS/$name.log" 2>&1
     echo "   exit $?"; tail -n 4 "$LOGS/$name.log"
-    [ -s "$LOGS/$name.jsonl" ] && ARM_ARGS+=(--arm "$name=$LOGS/$name.jsonl")
+    [ -s "$LOGS/$name.jsonl" ] && ARM_ARGS+=(--arm "$name=$LOGS/$name.jsonl" --sets "$name=$sets")
 done
 if [ ${#ARM_ARGS[@]} -gt 0 ]; then
     python3 bench/train_summary.py --what "Qwen3.5-35B-A3B preset at $LAYERS layers with 32 experts (one EP = 8 rank's share), one ${TOKENS:-32768}-token sequence, FSDP2, linear CE, bf16; arms differ in their --set" \

@@ -42,6 +42,7 @@ def markdown_table(r: dict) -> str:
         rows.append(f"| {name} | {a['median_step_time_s']:.3f} | {a['median_tokens_per_s']:,.0f} "
                     f"| {a['median_hw_tflops_per_gpu']:.1f} | {a['median_model_tflops_per_gpu']:.1f} "
                     f"| {a['peak_mem_gib']:.2f} | {a['first_loss']:.5f} |")
+    rows += ["", *(f"- {name}: `{a['sets']}`" for name, a in r["arms"].items() if a.get("sets"))]
     return "\n".join(rows)
 
 
@@ -49,6 +50,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--what", required=True, help="what was trained (model, tokens, settings)")
     p.add_argument("--arm", action="append", required=True, metavar="NAME=METRICS.jsonl")
+    p.add_argument("--sets", action="append", default=[], metavar="NAME=--set k=v ...",
+                   help="what an arm adds to --command (recorded per arm)")
     p.add_argument("--provenance", help="a bench JSON of the same run; without it the date, "
                                         "commit, device and versions are this machine's now "
                                         "(run it where the arms ran)")
@@ -60,15 +63,17 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     prov = json.load(open(a.provenance)) if a.provenance else {}
     report = {"bench": "train", "what": a.what, "command": a.command,
-              **{k: prov.get(k) for k in ("date", "commit", "device", "versions")}, "arms": {}}
+              **{k: prov[k] for k in ("date", "commit", "device", "versions") if prov.get(k)},
+              "arms": {}}
     if a.provenance and (a.date or a.commit):
         report.update({k: v for k, v in (("date", a.date), ("commit", a.commit)) if v})
         report["provenance"] = (f"date and commit of this run; device and versions from "
                                 f"{prov.get('bench')} at {prov.get('commit')} "
                                 f"({prov.get('date')}) on the same machine image")
+    sets = dict(x.partition("=")[::2] for x in a.sets)
     for arm in a.arm:
         name, _, path = arm.partition("=")
-        report["arms"][name] = summarise(path)
+        report["arms"][name] = {"sets": sets.get(name, ""), **summarise(path)}
     write_json_and_table(report, a.out, markdown_table)
     return 0
 
