@@ -2,16 +2,19 @@
 on CPU under TRITON_INTERPRET=1, paired against the eager `causal_conv_silu` of model/deltanet.py
 in fp64 on the same (rounded) inputs: y and the gradients of x, w and the halo under random
 upstream gradients (representable in the tested dtype, so only the kernels' own rounding shows).
-Lengths 1, 3, 37, 130 and widths 24, 100 end in partial tiles of the host table's 16 tokens x 32
-channels, and the backward's tiles overlap; 2 to 4 taps (8 once); plain, with a halo, with packed
-rows' history (samples restarting mid-tile and inside the first K-1 tokens of a row and of a tile,
-one-token samples, a row continuing a sample from before the span, fully or for one token), both
-together; a column slice of a wider x read in place; fp32, fp16, bf16 (and bf16 x with fp32 w);
-fresh random inputs each run. Also: which path GatedDeltaNet._conv takes where, and the bf16
-kernels on a GPU.
+Lengths 1, 3, 37, 130 and widths 24, 100 against the host table's 16-token programs and
+128-channel blocks (one case in 64-channel blocks: two, the second partial); 2 to 4 taps (8
+once); plain, with a halo, with packed rows' history (samples restarting mid-program and inside
+the first K-1 tokens of a row and of a program, one-token samples, a row continuing a sample
+from before the span, fully or for one token), both together; a column slice of a wider x read
+in place; fp32, fp16, bf16 (and bf16 x with fp32 w); fresh random inputs each run. Also: the
+history's reach bits against their definition, which path GatedDeltaNet._conv takes where, the
+compile checks, and the bf16 kernels on a GPU.
 
 Triton 3.9's interpreter rounds fp32 -> bf16 toward zero (compiled kernels round to nearest
-even), so bf16 results sit within one bf16 ulp of the reference here."""
+even), so bf16 results sit within one bf16 ulp of the reference here. The interpreter runs a
+kernel's token loop step by step (~10 ms a step), so the cases are short and split over two
+processes, which start before the compile checks so the two overlap."""
 
 import json
 import os
@@ -26,26 +29,27 @@ from _interpreter import ENV, last_json_line
 
 # (B, S, C, K, x dtype, w dtype, halo, history, x a column slice of a wider tensor)
 CASES = {
-    "fp32_plain": (2, 37, 100, 4, "float32", "float32", False, False, False),
+    "fp32_plain": (1, 37, 100, 4, "float32", "float32", False, False, False),
     "fp16_plain_k3": (1, 130, 24, 3, "float16", "float16", False, False, False),
     "bf16_plain_k2_s3": (2, 3, 24, 2, "bfloat16", "bfloat16", False, False, False),
     "fp32_halo_s1": (2, 1, 100, 4, "float32", "float32", True, False, False),
-    "fp32_halo_k3": (2, 37, 24, 3, "float32", "float32", True, False, False),
-    "fp16_halo": (1, 130, 100, 4, "float16", "float16", True, False, False),
-    "fp32_history": (2, 130, 24, 4, "float32", "float32", False, True, False),
+    "fp32_halo_k3": (1, 37, 24, 3, "float32", "float32", True, False, False),
+    "fp16_halo": (2, 37, 100, 4, "float16", "float16", True, False, False),
+    "fp32_history": (2, 37, 24, 4, "float32", "float32", False, True, False),
     "bf16_history_k3": (1, 37, 100, 3, "bfloat16", "bfloat16", False, True, False),
-    "fp32_halo_history": (2, 130, 100, 4, "float32", "float32", True, True, False),
+    "fp32_halo_history": (2, 70, 24, 4, "float32", "float32", True, True, False),
     "bf16_halo_history": (2, 37, 24, 4, "bfloat16", "bfloat16", True, True, False),
     "fp16_halo_history_k2_s3": (1, 3, 100, 2, "float16", "float16", True, True, False),
     "fp32_halo_history_slice": (2, 37, 100, 4, "float32", "float32", True, True, True),
     "bf16_x_fp32_w_halo_history": (1, 37, 100, 4, "bfloat16", "float32", True, True, False),
     "fp32_halo_history_k8": (1, 37, 24, 8, "float32", "float32", True, True, False),
 }
+# channel blocks other than the host table's 128 (kernel_overrides): C = 100 in two
+NARROW = {"fp32_plain": 64}
 # largest |error| / largest |reference| per tensor, by the dtype it is stored in: fp32 is the
 # kernels' fp32 sums in another order; fp16 a rounding to 11 bits; bf16 one ulp (2^-7) of the
 # largest value at most, the interpreter's truncation
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
-# the cases split over two interpreter processes (the suite runs on two cores)
 HALVES = 2
 
 
@@ -56,10 +60,10 @@ def _err(a, b):
 
 def _history(B, S, K, halo, gen):
     """Packed rows: random restarts plus one at token 1 (inside the row's first K-1), at 17 and
-    18 (a one-token sample inside a 16-token tile's first K-1) and at 33. With a halo the last
-    row continues a sample from before the span (5 tokens back for one row: every tap reads the
-    halo; 1 token back for the last of two: only the nearest halo token) and row 0 of two begins
-    one at token 0 (no tap reads the halo)."""
+    18 (a one-token sample inside the first K-1 of a 16-token program) and at 33. With a halo
+    the last row continues a sample from before the span (5 tokens back for one row: every tap
+    reads the halo; 1 token back for the last of two: only the nearest halo token) and row 0
+    of two begins one at token 0 (no tap reads the halo)."""
     starts = torch.rand(B, S, generator=gen) < 0.15
     starts[:, 0] = True
     for t in (1, 17, 18, 33):
@@ -113,7 +117,8 @@ def _case(B, S, C, K, x_dt, w_dt, halo, history, sliced, seed, device="cpu"):
 
 def _wiring():
     """Under the interpreter: which impls run the Triton kernel in GatedDeltaNet._conv, for the
-    three ways the layer calls it, and its outputs against the eager conv."""
+    three ways the layer calls it (and halo with history), and its outputs against the eager
+    conv; an fp64 layer (no kernel dtype) with history."""
     from longmoe.config import get_preset
     from longmoe.model.deltanet import GatedDeltaNet, causal_conv_silu
     from longmoe.ops.kernels import causal_conv
@@ -122,46 +127,92 @@ def _wiring():
     causal_conv.causal_conv_silu_triton = lambda *a: calls.append(1) or real(*a)
     layer = GatedDeltaNet(get_preset("tiny-hybrid"))
     K, C = layer.kernel, layer.conv_dim
-    x = torch.randn(2, 21, C)
-    halo = torch.randn(2, K - 1, C)
-    hist = _history(2, 21, K, True, torch.Generator().manual_seed(1))
+    x, halo = torch.randn(1, 9, C), torch.randn(1, K - 1, C)
+    hist = _history(1, 9, K, True, torch.Generator().manual_seed(1))
+    modes = {"plain": (None, None), "halo": (halo, None), "history": (None, hist),
+             "both": (halo, hist)}
+    runs = [(impl, mode, torch.float32) for impl in ("auto", "chunked_triton", "fla",
+                                                     "chunked_compiled", "chunked", "reference")
+            for mode in modes]
+    # fp64 with history only: the eager F.conv1d path takes seconds on its first fp64 call
+    runs += [("auto", "history", torch.float64), ("auto", "both", torch.float64)]
     out = {}
-    for dtype in (torch.float32, torch.float64):
+    for impl, mode, dtype in runs:
         layer.to(dtype)
-        for impl in ("auto", "chunked_triton", "fla", "chunked_compiled", "chunked", "reference"):
-            layer.impl = impl
-            for name, args in (("plain", (None, None)), ("halo", (halo, None)),
-                               ("history", (None, hist)), ("both", (halo, hist))):
-                n = len(calls)
-                args = [a if a is None or not a.is_floating_point() else a.to(dtype)
-                        for a in args]
-                y = layer._conv(x.to(dtype), *args)
-                want = causal_conv_silu(x.to(dtype), layer.conv1d.weight[:, 0], *args)
-                out[f"{impl}/{name}/{str(dtype)[6:]}"] = [len(calls) > n, _err(y, want)]
+        layer.impl = impl
+        args = [a if a is None or not a.is_floating_point() else a.to(dtype)
+                for a in modes[mode]]
+        n = len(calls)
+        y = layer._conv(x.to(dtype), *args)
+        want = causal_conv_silu(x.to(dtype), layer.conv1d.weight[:, 0], *args)
+        out[f"{impl}/{mode}/{str(dtype)[6:]}"] = [len(calls) > n, _err(y, want)]
     return out
 
 
+def _reach_bits_match_their_definition(seed: int) -> bool:
+    """reach_bits against a loop over tokens and taps."""
+    from longmoe.ops.kernels.causal_conv import reach_bits
+    gen = torch.Generator().manual_seed(seed)
+    for K in (2, 4, 8):
+        hist = _history(2, 23, K, True, gen)
+        got = reach_bits(hist, K)
+        for b in range(2):
+            for p in range(23 + K - 1):
+                u = p - (K - 1)
+                want = sum(1 << c for c in range(1, K)
+                           if 0 <= u + c < 23 and hist[b, u + c] >= c)
+                if int(got[b, p]) != want:
+                    return False
+    return True
+
+
 def _run_half(seed: int, half: int) -> dict:
-    names = list(CASES)[half::HALVES]
-    out = {n: _case(*CASES[n], seed=seed + list(CASES).index(n)) for n in names}
+    from longmoe.backends import active_backend
+    out = {}
+    for i, name in enumerate(CASES):
+        if i % HALVES != half:
+            continue
+        narrow = {"BLOCK_C": NARROW[name], "BLOCK_C_BWD": NARROW[name]} if name in NARROW else {}
+        with active_backend().kernel_overrides("causal_conv", narrow):
+            out[name] = _case(*CASES[name], seed=seed + i)
     if half == 0:
         out["wiring"] = _wiring()
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    """Both halves in interpreter processes at once."""
+def launched():
+    """Both halves started in interpreter processes (the compile checks, first in this file,
+    run meanwhile)."""
     seed = random.randrange(2**31)
     procs = [subprocess.Popen([sys.executable, __file__, str(seed), str(h)], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**os.environ, **ENV}) for h in range(HALVES)]
+    yield seed, procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def results(launched):
+    seed, procs = launched
     out = {}
     for p in procs:
         stdout, stderr = p.communicate(timeout=600)
         assert p.returncode == 0, stderr[-3000:]
         out.update(last_json_line(stdout))
     return seed, out
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
+def test_compiles_without_spills(launched, target):
+    from longmoe.ops.kernels.aot import compile_all
+    reports = compile_all(target, only="causal_conv")
+    assert {r.variant for r in reports} >= {"causal_conv_fwd[bf16]", "causal_conv_bwd[bf16]",
+                                            "causal_conv_fwd[bf16]+halo+history",
+                                            "causal_conv_bwd[bf16]+halo+history"}
+    assert all(r.ok and r.spills == 0 for r in reports), [(r.variant, r.error) for r in reports]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -194,6 +245,10 @@ def test_the_layer_runs_the_kernel_where_triton_runs(results):
         kernel = impl in ("auto", "chunked_triton", "fla") and dtype != "float64"
         assert ran == kernel, key
         assert err < (TOL["float32"] if dtype == "float32" else 1e-12), (seed, key, err)
+
+
+def test_reach_bits_match_their_definition():
+    assert _reach_bits_match_their_definition(random.randrange(2**31))
 
 
 def test_cpu_without_the_interpreter_keeps_the_eager_and_compiled_paths(monkeypatch):
@@ -237,16 +292,6 @@ def test_bf16_on_gpu_matches_the_eager_conv_in_fp64(spec):
     seed = random.randrange(2**31)
     r = _case(B, S, C, K, "bfloat16", "bfloat16", halo, history, sliced, seed, "cuda")
     assert max(r.get(k, 0.0) for k in ("y", "dx", "dw", "dhalo")) < TOL["bfloat16"], (seed, r)
-
-
-@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
-def test_compiles_without_spills(target):
-    from longmoe.ops.kernels.aot import compile_all
-    reports = compile_all(target, only="causal_conv")
-    assert {r.variant for r in reports} >= {"causal_conv_fwd[bf16]", "causal_conv_bwd[bf16]",
-                                            "causal_conv_fwd[bf16]+halo+history",
-                                            "causal_conv_bwd[bf16]+halo+history"}
-    assert all(r.ok and r.spills == 0 for r in reports), [(r.variant, r.error) for r in reports]
 
 
 if __name__ == "__main__":  # the interpreted half: one process per half of the cases
