@@ -81,8 +81,20 @@ def _reference(run_dict, seed):
 @pytest.mark.parametrize("nproc,cp,ep", [(2, 2, 1), (2, 2, 2), (4, 4, 2), (2, 1, 2)],
                          ids=["cp2", "cp2-ep2", "cp4-ep2", "cp1-ep2"])
 def test_packed_context_parallel_equals_unpacked_world1(nproc, cp, ep):
+    _check_against_world1(_run(cp=cp, ep=ep), nproc, ep)
+
+
+def test_keep_attention_under_packed_context_parallel():
+    """Full recompute around the attention kernel (parallel.keep_attention) with packed rows
+    under CP 2: the kernel's saved tensors include the gathered keys and values, whose
+    gradients reduce-scatter back; the same answer as world size 1."""
+    run = _run(cp=2, ep=1)
+    run["parallel"]["keep_attention"] = True
+    _check_against_world1(run, 2, 1)
+
+
+def _check_against_world1(run, nproc, ep):
     seed = random.randrange(2**31)
-    run = _run(cp=cp, ep=ep)
     ranks = run_ranks(_cp_rank, nproc, run, seed)
     ref = _reference(run, seed)
     tol = 5 * TOLERANCE[torch.float32]
