@@ -43,9 +43,13 @@ CASES = {
     "fp32_halo_history_slice": (2, 37, 100, 4, "float32", "float32", True, True, True),
     "bf16_x_fp32_w_halo_history": (1, 37, 100, 4, "bfloat16", "float32", True, True, False),
     "fp32_halo_history_k8": (1, 37, 24, 8, "float32", "float32", True, True, False),
+    # y as the layer takes it, q | k | v in three contiguous tensors (split=): parts inside one
+    # channel block, and (narrow) a block straddling a part's edge
+    "fp32_halo_history_split": (2, 37, 100, 4, "float32", "float32", True, True, False, True),
+    "bf16_plain_split_narrow": (1, 37, 100, 3, "bfloat16", "bfloat16", False, False, False, True),
 }
 # channel blocks other than the host table's 128 (kernel_overrides): C = 100 in two
-NARROW = {"fp32_plain": 64}
+NARROW = {"fp32_plain": 64, "bf16_plain_split_narrow": 64}
 # largest |error| / largest |reference| per tensor, by the dtype it is stored in: fp32 is the
 # kernels' fp32 sums in another order; fp16 a rounding to 11 bits; bf16 one ulp (2^-7) of the
 # largest value at most, the interpreter's truncation
@@ -77,7 +81,7 @@ def _history(B, S, K, halo, gen):
     return hist
 
 
-def _case(B, S, C, K, x_dt, w_dt, halo, history, sliced, seed, device="cpu"):
+def _case(B, S, C, K, x_dt, w_dt, halo, history, sliced, seed, device="cpu", split=False):
     from longmoe.model.deltanet import causal_conv_silu
     from longmoe.ops.kernels.causal_conv import _unit_channel, causal_conv_silu_triton
     gen = torch.Generator().manual_seed(seed)
@@ -95,7 +99,14 @@ def _case(B, S, C, K, x_dt, w_dt, halo, history, sliced, seed, device="cpu"):
 
     if sliced:  # read where it lies: no copy of x
         assert _unit_channel(x_of(wide)).data_ptr() == x_of(wide).data_ptr()
-    y = causal_conv_silu_triton(x_of(wide), w, h, hist)
+    if split:  # uneven parts; each comes back contiguous
+        parts = causal_conv_silu_triton(x_of(wide), w, h, hist, split=(C // 4, C // 3,
+                                                                       C - C // 4 - C // 3))
+        assert [t.shape[-1] for t in parts] == [C // 4, C // 3, C - C // 4 - C // 3]
+        assert all(t.is_contiguous() for t in parts)
+        y = torch.cat(parts, -1)
+    else:
+        y = causal_conv_silu_triton(x_of(wide), w, h, hist)
     got = [y, *torch.autograd.grad((y * dy).sum(), leaves)]
     got[1] = x_of(got[1])
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
@@ -124,7 +135,7 @@ def _wiring():
     from longmoe.ops.kernels import causal_conv
     calls = []
     real = causal_conv.causal_conv_silu_triton
-    causal_conv.causal_conv_silu_triton = lambda *a: calls.append(1) or real(*a)
+    causal_conv.causal_conv_silu_triton = lambda *a, **k: calls.append(1) or real(*a, **k)
     layer = GatedDeltaNet(get_preset("tiny-hybrid"))
     K, C = layer.kernel, layer.conv_dim
     x, halo = torch.randn(1, 9, C), torch.randn(1, K - 1, C)
@@ -144,6 +155,10 @@ def _wiring():
                 for a in modes[mode]]
         n = len(calls)
         y = layer._conv(x.to(dtype), *args)
+        if isinstance(y, tuple):  # the kernel's q, k, v, each contiguous
+            assert all(t.is_contiguous() for t in y) and \
+                [t.shape[-1] for t in y] == [layer.Hk * layer.dk] * 2 + [layer.Hv * layer.dv]
+            y = torch.cat(y, -1)
         want = causal_conv_silu(x.to(dtype), layer.conv1d.weight[:, 0], *args)
         out[f"{impl}/{mode}/{str(dtype)[6:]}"] = [len(calls) > n, _err(y, want)]
     return out
@@ -174,7 +189,8 @@ def _run_half(seed: int, half: int) -> dict:
             continue
         narrow = {"BLOCK_C": NARROW[name], "BLOCK_C_BWD": NARROW[name]} if name in NARROW else {}
         with active_backend().kernel_overrides("causal_conv", narrow):
-            out[name] = _case(*CASES[name], seed=seed + i)
+            spec = CASES[name]
+            out[name] = _case(*spec[:9], seed=seed + i, split=len(spec) > 9 and spec[9])
     if half == 0:
         out["wiring"] = _wiring()
     return out
@@ -260,7 +276,7 @@ def test_cpu_without_the_interpreter_keeps_the_eager_and_compiled_paths(monkeypa
     from longmoe.ops.kernels import causal_conv
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(causal_conv, "causal_conv_silu_triton",
-                        lambda *a: pytest.fail("the Triton conv ran on CPU"))
+                        lambda *a, **k: pytest.fail("the Triton conv ran on CPU"))
     compiled_fns = []
     monkeypatch.setattr(deltanet, "compiled", lambda fn: compiled_fns.append(fn) or fn)
     layer = deltanet.GatedDeltaNet(get_preset("tiny-hybrid"))
@@ -272,25 +288,27 @@ def test_cpu_without_the_interpreter_keeps_the_eager_and_compiled_paths(monkeypa
     assert compiled_fns == [deltanet.causal_conv_silu]
 
 
-@pytest.mark.parametrize("bad", ["taps", "halo", "history", "dtype"])
+@pytest.mark.parametrize("bad", ["taps", "halo", "history", "dtype", "split"])
 def test_declines_what_it_cannot_take(bad):
     from longmoe.ops.kernels.causal_conv import causal_conv_silu_triton
     x, w = torch.randn(1, 5, 8), torch.randn(8, 9 if bad == "taps" else 4)
     halo = torch.randn(1, 2, 8) if bad == "halo" else None
     history = torch.zeros(1, 5) if bad == "history" else None
+    split = (4, 4, 1) if bad == "split" else None
     with pytest.raises(ValueError, match="causal_conv"):
-        causal_conv_silu_triton(x.double() if bad == "dtype" else x, w, halo, history)
+        causal_conv_silu_triton(x.double() if bad == "dtype" else x, w, halo, history, split)
 
 
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("spec", [(1, 4099, 8192, 4, False, False, False),
-                                  (2, 1031, 1000, 4, True, True, True)])
+@pytest.mark.parametrize("spec", [(1, 4099, 8192, 4, False, False, False, False),
+                                  (1, 4099, 8192, 4, False, False, False, True),
+                                  (2, 1031, 1000, 4, True, True, True, True)])
 def test_bf16_on_gpu_matches_the_eager_conv_in_fp64(spec):
-    """Compiled kernels (casts round to nearest even) at the layer's width and a packed,
-    context-parallel piece of a column slice, odd sizes."""
-    B, S, C, K, halo, history, sliced = spec
+    """Compiled kernels (casts round to nearest even) at the layer's width, split into three
+    outputs or not, and a packed, context-parallel piece of a column slice, odd sizes."""
+    B, S, C, K, halo, history, sliced, split = spec
     seed = random.randrange(2**31)
-    r = _case(B, S, C, K, "bfloat16", "bfloat16", halo, history, sliced, seed, "cuda")
+    r = _case(B, S, C, K, "bfloat16", "bfloat16", halo, history, sliced, seed, "cuda", split)
     assert max(r.get(k, 0.0) for k in ("y", "dx", "dw", "dhalo")) < TOL["bfloat16"], (seed, r)
 
 

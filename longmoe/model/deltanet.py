@@ -110,14 +110,18 @@ class GatedDeltaNet(nn.Module):
         (forward+backward 0.93 ms, 1.34 with halo and history, at 32K tokens x 8192 channels on
         an H200, where the compiled conv took 4.0 and 4.5); else, on GPUs, compiled. The
         compiled core ("chunked_compiled") keeps the compiled conv beside it, an eager core the
-        eager conv."""
+        eager conv. The kernels return q, k and v as three contiguous tensors (the core would
+        copy v's column slice, and the slices' gradients would be concatenated); the other
+        paths one [B, S, C] tensor. _split takes either."""
         w_CK = self.conv1d.weight[:, 0]
         kernel_dtypes = {torch.float32, torch.bfloat16, torch.float16}  # fp64 (tests) is not
         if (self.impl not in ("chunked", "reference", "chunked_compiled")
                 and triton_ready(qkv_BSC.device) is None and 2 <= self.kernel <= 8  # its taps
                 and {qkv_BSC.dtype, w_CK.dtype} <= kernel_dtypes):
             from longmoe.ops.kernels.causal_conv import causal_conv_silu_triton
-            return causal_conv_silu_triton(qkv_BSC, w_CK, halo_BKC, history_BS)
+            kd = self.Hk * self.dk
+            return causal_conv_silu_triton(qkv_BSC, w_CK, halo_BKC, history_BS,
+                                           split=(kd, kd, self.Hv * self.dv))
         if self._fused(qkv_BSC):
             return compiled(causal_conv_silu)(qkv_BSC, w_CK, halo_BKC, history_BS)
         if history_BS is not None:  # per-tap masks: F.conv1d has no way to take them
@@ -128,9 +132,13 @@ class GatedDeltaNet(nn.Module):
         return F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
 
     def _split(self, qkv):
-        B, S, _ = qkv.shape
-        kd = self.Hk * self.dk
-        q, k, v = qkv.split([kd, kd, self.Hv * self.dv], dim=-1)
+        """q, k, v heads of the conv's output: one [B, S, C] tensor, or (q, k, v) already."""
+        if isinstance(qkv, tuple):
+            q, k, v = qkv
+        else:
+            kd = self.Hk * self.dk
+            q, k, v = qkv.split([kd, kd, self.Hv * self.dv], dim=-1)
+        B, S, _ = q.shape
         return (q.reshape(B, S, self.Hk, self.dk), k.reshape(B, S, self.Hk, self.dk),
                 v.reshape(B, S, self.Hv, self.dv))
 

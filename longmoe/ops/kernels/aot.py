@@ -47,25 +47,28 @@ def _l2norm_specs():
 def _causal_conv_specs():
     """The Gated DeltaNet conv as training runs it: bf16 x, w, halo and gradients, int32 reach
     bits of the history, fp32 dw partial sums, Qwen3.5's 4 taps; with neither halo nor history
-    (unpacked rows) and with both (packed rows under context parallelism, the superset)."""
+    (unpacked rows) and with both (packed rows under context parallelism, the superset); y as
+    the layer takes it (q, k, v as three outputs, "+split") and as one tensor."""
     from longmoe.ops.kernels import causal_conv as cc
     bf = "*bf16"
     strides = {f"stride_{n}": "i32" for n in ("xb", "xt", "wc", "wk", "hb", "ht", "rb")}
-    consts = {k: "constexpr" for k in ("K", "HAS_HALO", "HAS_HISTORY", "BLOCK_T", "BLOCK_C",
-                                       "STAGES")}
+    consts = {k: "constexpr" for k in ("K", "HAS_HALO", "HAS_HISTORY", "SPLIT", "BLOCK_T",
+                                       "BLOCK_C", "STAGES")}
     specs = []
-    for extra in (False, True):
-        flags = {"K": 4, "HAS_HALO": extra, "HAS_HISTORY": extra}
-        tag = "+halo+history" if extra else ""
+    for extra, split in ((False, False), (True, False), (False, True), (True, True)):
+        flags = {"K": 4, "HAS_HALO": extra, "HAS_HISTORY": extra, "SPLIT": split}
+        tag = ("+halo+history" if extra else "") + ("+split" if split else "")
         specs.append(("causal_conv", f"causal_conv_fwd[bf16]{tag}", cc.causal_conv_fwd_kernel,
                       {"x_ptr": bf, "w_ptr": bf, "h_ptr": bf, "reach_ptr": "*i32", "y_ptr": bf,
-                       "S": "i32", "C": "i32", **strides, **consts},
+                       "y1_ptr": bf, "y2_ptr": bf, "S": "i32", "C": "i32", "C1": "i32",
+                       "C2": "i32", **strides, **consts},
                       lambda c, f=flags: {**f, "BLOCK_T": c["BLOCK_T"], "BLOCK_C": c["BLOCK_C"],
                                           "STAGES": c.get("num_stages", 1)},
                       "num_warps"))
         specs.append(("causal_conv", f"causal_conv_bwd[bf16]{tag}", cc.causal_conv_bwd_kernel,
                       {"x_ptr": bf, "w_ptr": bf, "h_ptr": bf, "reach_ptr": "*i32", "dy_ptr": bf,
-                       "dx_ptr": bf, "dh_ptr": bf, "dw_ptr": "*fp32", "S": "i32", "C": "i32",
+                       "dy1_ptr": bf, "dy2_ptr": bf, "dx_ptr": bf, "dh_ptr": bf,
+                       "dw_ptr": "*fp32", "S": "i32", "C": "i32", "C1": "i32", "C2": "i32",
                        "n_t": "i32", **strides, "stride_dyb": "i32", "stride_dyt": "i32",
                        **consts},
                       lambda c, f=flags: {**f, "BLOCK_T": c["BLOCK_T_BWD"],
@@ -259,7 +262,7 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
 # Integer arguments that the layer's real shapes make multiples of 16 (strides and the model's
 # widths; C: the conv's channels, 8192 in Qwen3.5), besides every pointer (fresh torch
 # allocations are 16-byte aligned).
-_ALIGNED_INTS = ("K", "N", "H", "F", "D", "V", "C")
+_ALIGNED_INTS = ("K", "N", "H", "F", "D", "V", "C", "C1", "C2")
 
 
 # Kernels whose launcher hands them 16-byte aligned pointers only (it copies a misaligned view:

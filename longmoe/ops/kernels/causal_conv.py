@@ -137,11 +137,36 @@ def _prologue(x_ptr, h_ptr, reach_ptr, b, u, S, C, cols, stride_xb, stride_xt, s
 
 
 @triton.jit
-def causal_conv_fwd_kernel(x_ptr, w_ptr, h_ptr, reach_ptr, y_ptr, S, C,
+def _store_parts(p0, p1, p2, row, v, cols, bound, C1, C2, C):
+    """Row `row` of three contiguous outputs holding channels [0, C1), [C1, C2) and [C2, C);
+    `bound` is C, or 0 for a row outside the sequence."""
+    tl.store(p0 + (row * C1 + cols), v, mask=cols < tl.minimum(bound, C1))
+    tl.store(p1 + (row * (C2 - C1) + (cols - C1)), v,
+             mask=(cols >= C1) & (cols < tl.minimum(bound, C2)))
+    tl.store(p2 + (row * (C - C2) + (cols - C2)), v, mask=(cols >= C2) & (cols < bound))
+
+
+@triton.jit
+def _load_parts(p0, p1, p2, row, cols, bound, C1, C2, C):
+    """_store_parts' row read back in fp32 (the three masks are disjoint)."""
+    v = tl.load(p0 + (row * C1 + cols), mask=cols < tl.minimum(bound, C1), other=0.0)
+    v1 = tl.load(p1 + (row * (C2 - C1) + (cols - C1)),
+                 mask=(cols >= C1) & (cols < tl.minimum(bound, C2)), other=0.0)
+    v2 = tl.load(p2 + (row * (C - C2) + (cols - C2)), mask=(cols >= C2) & (cols < bound),
+                 other=0.0)
+    return v.to(tl.float32) + v1.to(tl.float32) + v2.to(tl.float32)
+
+
+@triton.jit
+def causal_conv_fwd_kernel(x_ptr, w_ptr, h_ptr, reach_ptr, y_ptr, y1_ptr, y2_ptr, S, C, C1, C2,
                            stride_xb, stride_xt, stride_wc, stride_wk, stride_hb, stride_ht,
                            stride_rb,
                            K: tl.constexpr, HAS_HALO: tl.constexpr, HAS_HISTORY: tl.constexpr,
+                           SPLIT: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+    """y, or with SPLIT its channels [0, C1), [C1, C2), [C2, C) as three contiguous outputs
+    (y_ptr, y1_ptr, y2_ptr): the layer's q, k and v, so that no consumer copies a column slice
+    and the backward needs no concatenation of their gradients."""
     b = tl.program_id(2).to(tl.int64)
     t0 = tl.program_id(0) * BLOCK_T
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -157,9 +182,12 @@ def causal_conv_fwd_kernel(x_ptr, w_ptr, h_ptr, reach_ptr, y_ptr, S, C,
         r = _reach(reach_ptr, b, u, S, stride_rb, K, HAS_HISTORY)
         a, q0, q1, q2, q3, q4, q5, q6 = _advance(x, q0, q1, q2, q3, q4, q5, q6, v0, v1, v2, v3,
                                                  v4, v5, v6, v7, r, K, HAS_HISTORY)
-        y = a * tl.sigmoid(a)
-        tl.store(y_ptr + ((b * S + u) * C + cols), y.to(y_ptr.dtype.element_ty),
-                 mask=cols < tl.where(u < S, C, 0))
+        y = (a * tl.sigmoid(a)).to(y_ptr.dtype.element_ty)
+        if SPLIT:
+            _store_parts(y_ptr, y1_ptr, y2_ptr, b * S + u, y, cols, tl.where(u < S, C, 0),
+                         C1, C2, C)
+        else:
+            tl.store(y_ptr + ((b * S + u) * C + cols), y, mask=cols < tl.where(u < S, C, 0))
 
 
 @triton.jit
@@ -231,10 +259,11 @@ def _finish(xs, ds, n0, n1, n2, n3, n4, n5, n6, v0, v1, v2, v3, v4, v5, v6, v7,
 
 
 @triton.jit
-def causal_conv_bwd_kernel(x_ptr, w_ptr, h_ptr, reach_ptr, dy_ptr, dx_ptr, dh_ptr, dw_ptr,
-                           S, C, n_t, stride_xb, stride_xt, stride_wc, stride_wk,
-                           stride_hb, stride_ht, stride_rb, stride_dyb, stride_dyt,
+def causal_conv_bwd_kernel(x_ptr, w_ptr, h_ptr, reach_ptr, dy_ptr, dy1_ptr, dy2_ptr, dx_ptr,
+                           dh_ptr, dw_ptr, S, C, C1, C2, n_t, stride_xb, stride_xt, stride_wc,
+                           stride_wk, stride_hb, stride_ht, stride_rb, stride_dyb, stride_dyt,
                            K: tl.constexpr, HAS_HALO: tl.constexpr, HAS_HISTORY: tl.constexpr,
+                           SPLIT: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """One program: dx of the xp positions s0 .. s0+BLOCK_T-1 (dhalo for those before 0;
     s0 = program * BLOCK_T, less K-1 with a halo) and the dw sums of the pairs (xp[s], ds[s+b])
@@ -263,8 +292,13 @@ def causal_conv_bwd_kernel(x_ptr, w_ptr, h_ptr, reach_ptr, dy_ptr, dx_ptr, dh_pt
         r = _reach(reach_ptr, b, u, S, stride_rb, K, HAS_HISTORY)
         a, q0, q1, q2, q3, q4, q5, q6 = _advance(x, q0, q1, q2, q3, q4, q5, q6, v0, v1, v2, v3,
                                                  v4, v5, v6, v7, r, K, HAS_HISTORY)
-        dy = tl.load(dy_ptr + (b * stride_dyb + u.to(tl.int64) * stride_dyt) + cols,
-                     mask=cols < tl.where((u >= 0) & (u < S), C, 0), other=0.0).to(tl.float32)
+        if SPLIT:  # dy in three contiguous parts, as the forward wrote y
+            dy = _load_parts(dy_ptr, dy1_ptr, dy2_ptr, b * S + u, cols,
+                             tl.where((u >= 0) & (u < S), C, 0), C1, C2, C)
+        else:
+            dy = tl.load(dy_ptr + (b * stride_dyb + u.to(tl.int64) * stride_dyt) + cols,
+                         mask=cols < tl.where((u >= 0) & (u < S), C, 0),
+                         other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
         ds = dy * sig * (1.0 + a * (1.0 - sig))  # zero outside [0, S): dy is
         s = u - (K - 1)
@@ -326,51 +360,64 @@ def reach_bits(history_BS: torch.Tensor, K: int) -> torch.Tensor:
 
 class CausalConvSiLU(torch.autograd.Function):
     """Saves x, w and the halo as they came (x a view where it was one: the layer holds the
-    projection's output anyway) and the history's reach bits."""
+    projection's output anyway) and the history's reach bits. `bounds` (C1, C2): y as three
+    contiguous outputs, channels [0, C1), [C1, C2), [C2, C); None: one."""
 
     @staticmethod
-    def forward(ctx, x, w, halo, history):
+    def forward(ctx, x, w, halo, history, bounds=None):
         B, S, C = x.shape
         K = w.shape[1]
-        y = torch.empty((B, S, C), device=x.device, dtype=x.dtype)
+        C1, C2 = bounds or (C, C)
+        ys = [torch.empty((B, S, n), device=x.device, dtype=x.dtype)
+              for n in ((C1, C2 - C1, C - C2) if bounds else (C,))]
         reach = None if history is None else reach_bits(history, K)
-        if y.numel():
+        if B * S * C:
             cfg = active_backend().kernel_config(TABLE_KEY)
             BT, BC = cfg["BLOCK_T"], cfg["BLOCK_C"]
             grid = (triton.cdiv(S, BT), triton.cdiv(C, BC), B)
+            y0, y1, y2 = (ys * 3)[:3]
             _launch(causal_conv_fwd_kernel, grid, cfg, "num_warps", x, w, _ptr(halo, x),
-                    _ptr(reach, x), y, S, C, *_strides(x), *w.stride(), *_strides(halo),
-                    0 if reach is None else reach.stride(0), K=K, HAS_HALO=halo is not None,
-                    HAS_HISTORY=reach is not None, BLOCK_T=BT, BLOCK_C=BC,
+                    _ptr(reach, x), y0, y1, y2, S, C, C1, C2, *_strides(x), *w.stride(),
+                    *_strides(halo), 0 if reach is None else reach.stride(0), K=K,
+                    HAS_HALO=halo is not None, HAS_HISTORY=reach is not None,
+                    SPLIT=bounds is not None, BLOCK_T=BT, BLOCK_C=BC,
                     STAGES=cfg.get("num_stages", 1))
         ctx.save_for_backward(x, w, halo, reach)
-        return y
+        ctx.bounds = bounds
+        return tuple(ys) if bounds else ys[0]
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         x, w, halo, reach = ctx.saved_tensors
         B, S, C = x.shape
         K = w.shape[1]
+        C1, C2 = ctx.bounds or (C, C)
+        if ctx.bounds:  # the parts' gradients, contiguous as the forward wrote them
+            dys = [g.contiguous() for g in dys]
+            dy, dy1, dy2 = dys
+        else:
+            dy = _unit_channel(dys[0])
+            dy1 = dy2 = dy
         dx = torch.empty((B, S, C), device=x.device, dtype=x.dtype)
         dh = None if halo is None else torch.empty((B, K - 1, C), device=x.device,
                                                    dtype=halo.dtype)
         if not B * C:
-            return dx, torch.zeros_like(w), dh, None
+            return dx, torch.zeros_like(w), dh, None, None
         cfg = active_backend().kernel_config(TABLE_KEY)
         BT, BC = cfg["BLOCK_T_BWD"], cfg["BLOCK_C_BWD"]
         lead = K - 1 if halo is not None else 0  # xp positions before token 0 get a gradient
         n_t = triton.cdiv(S + lead, BT)
         part = torch.empty((B * n_t, K, C), device=x.device, dtype=torch.float32)
         if n_t:
-            dy = _unit_channel(dy)
             _launch(causal_conv_bwd_kernel, (n_t, triton.cdiv(C, BC), B), cfg, "num_warps_bwd",
-                    x, w, _ptr(halo, x), _ptr(reach, x), dy, dx, _ptr(dh, x), part, S, C,
-                    n_t, *_strides(x), *w.stride(), *_strides(halo),
+                    x, w, _ptr(halo, x), _ptr(reach, x), dy, dy1, dy2, dx, _ptr(dh, x), part,
+                    S, C, C1, C2, n_t, *_strides(x), *w.stride(), *_strides(halo),
                     0 if reach is None else reach.stride(0), *_strides(dy), K=K,
-                    HAS_HALO=halo is not None, HAS_HISTORY=reach is not None, BLOCK_T=BT,
-                    BLOCK_C=BC, STAGES=cfg.get("num_stages_bwd", cfg.get("num_stages", 1)))
+                    HAS_HALO=halo is not None, HAS_HISTORY=reach is not None,
+                    SPLIT=ctx.bounds is not None, BLOCK_T=BT, BLOCK_C=BC,
+                    STAGES=cfg.get("num_stages_bwd", cfg.get("num_stages", 1)))
         dw = part.sum(0).t().to(w.dtype)
-        return dx, dw, dh, None
+        return dx, dw, dh, None, None
 
 
 def _ptr(t, like):
@@ -380,11 +427,14 @@ def _ptr(t, like):
 
 def causal_conv_silu_triton(x_BSC: torch.Tensor, w_CK: torch.Tensor,
                             halo_BKC: torch.Tensor | None = None,
-                            history_BS: torch.Tensor | None = None) -> torch.Tensor:
+                            history_BS: torch.Tensor | None = None,
+                            split: tuple[int, int, int] | None = None):
     """SiLU(depthwise causal conv) of x [B, S, C] with w [C, K], the halo [B, K-1, C] (the K-1
     inputs before x; zeros without) and `history` [B, S] (integers, packed rows: tokens since
     each token's sample began; a tap reaching further back reads zero): `causal_conv_silu` of
-    deltanet.py, summed in fp32, y in x's dtype; dw in w's, dhalo in the halo's."""
+    deltanet.py, summed in fp32, y in x's dtype; dw in w's, dhalo in the halo's. `split`
+    (three channel counts summing to C): y's column blocks as three contiguous tensors
+    [B, S, n] instead of one, for the layer's q, k and v."""
     if x_BSC.dim() != 3 or w_CK.dim() != 2 or w_CK.shape[0] != x_BSC.shape[2]:
         raise ValueError(f"causal_conv: x [B, S, C] and w [C, K], got {tuple(x_BSC.shape)} and "
                          f"{tuple(w_CK.shape)}")
@@ -403,4 +453,11 @@ def causal_conv_silu_triton(x_BSC: torch.Tensor, w_CK: torch.Tensor,
             raise ValueError(f"causal_conv: takes fp32, bf16 or fp16, got {name} {t.dtype}")
     if S >= 2**30:  # the kernels' int32 token index, a tile or two past S included
         raise ValueError(f"causal_conv: {S} tokens, more than int32 token indices hold")
-    return CausalConvSiLU.apply(_unit_channel(x_BSC), w_CK, _unit_channel(halo_BKC), history_BS)
+    bounds = None
+    if split is not None:
+        if len(split) != 3 or min(split) < 0 or sum(split) != C:
+            raise ValueError(f"causal_conv: split {tuple(split)} must be three channel counts "
+                             f"summing to {C}")
+        bounds = (split[0], split[0] + split[1])
+    return CausalConvSiLU.apply(_unit_channel(x_BSC), w_CK, _unit_channel(halo_BKC), history_BS,
+                                bounds)
