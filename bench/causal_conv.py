@@ -11,6 +11,7 @@ packed rows' history and with both; device time, median of timed calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -46,7 +47,7 @@ def run(S: int, C: int, K: int, iters: int, configs: list[dict]) -> list[dict]:
     impls += [("triton", cfg, causal_conv_silu_triton) for cfg in configs]
     rows = []
     for name, cfg, fn in impls:
-        ctx = be.kernel_overrides(TABLE_KEY, cfg) if cfg else _null()
+        ctx = be.kernel_overrides(TABLE_KEY, cfg) if cfg else contextlib.nullcontext()
         with ctx:
             for var, (h, hist) in variants.items():
                 def fwd():
@@ -61,14 +62,6 @@ def run(S: int, C: int, K: int, iters: int, configs: list[dict]) -> list[dict]:
                              "channels": C, "taps": K, "fwd_ms": f, "fwd_bwd_ms": fb,
                              "fwd_TBps": 2 * x.numel() * 2 / f / 1e9})
     return rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def table(r: dict) -> str:

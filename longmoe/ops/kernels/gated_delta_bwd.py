@@ -125,7 +125,7 @@ def gdn_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, gam_ptr, starts_ptr, tinv_ptr, h_p
     # dw = -neg_dw, w = Tinv kb with kb = beta e^gamma k: the tiles live one after another
     # (the kernel sits at the register limit). The products take their fp32 factors rounded to
     # the inputs' dtype, as the forward's do: fp32 factors held twice the shared memory (110
-    # against 57 KiB on sm_90) and ran in IEEE fp32 at torch's default precision
+    # against 57 KiB in the compile check) and ran in IEEE fp32 at torch's default precision
     ndw = neg_dw.to(dt)
     dkb = -tl.dot(tinv_td, ndw, input_precision=PRECISION)             # d kb
     dtinv -= tl.dot(ndw, tl.trans((k * kscale[:, None]).to(dt)), input_precision=PRECISION)
