@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -235,3 +236,28 @@ def test_one_flag_for_all_ranks():
         assert r["finite_params"] is True and r["nan_params"] is False
     clipped_sq = sum(float((c.double() ** 2).sum()) for r in (r0, r1) for c in r["clipped"])
     assert math.sqrt(clipped_sq / 2) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_clip_norm_over_mixed_dtypes_matches_fp64():
+    """One fused norm per (device, copies) group: bf16 and fp32 gradients of odd shapes, an
+    empty one and a parameter without a gradient, against the fp64 sum of squares; the clip
+    scales every gradient by the same factor."""
+    from longmoe.parallel.mesh import build_layout
+    from longmoe.train.setup import clip_grad_norm
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    shapes = [((7, 13), torch.bfloat16), ((1,), torch.float32), ((0, 5), torch.float32),
+              ((3, 5, 11), torch.bfloat16), ((257,), torch.float32), ((4,), torch.float32)]
+    m = torch.nn.Module()
+    for i, (s, dt) in enumerate(shapes):
+        p = torch.nn.Parameter(torch.zeros(s, dtype=dt))
+        if i != len(shapes) - 1:
+            p.grad = (torch.randn(s, generator=g) * 3).to(dt)
+        m.register_parameter(f"p{i}", p)
+    before = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    want = math.sqrt(sum(float((x.double() ** 2).sum()) for x in before))
+    norm, finite = clip_grad_norm(m, want / 4, build_layout("cpu", 1))
+    assert finite and norm == pytest.approx(want, rel=1e-6)
+    after = [p.grad for p in m.parameters() if p.grad is not None]
+    for b, a in zip(before, after):
+        tol = 1e-2 if a.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(a.double(), b.double() / 4, rtol=tol, atol=0)

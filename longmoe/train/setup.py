@@ -151,8 +151,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=No
     norm's all-reduce, so every rank reaches the same verdict from the one host read the norm
     already costs. A non-finite step's gradients are left unscaled (the step applies none)."""
     experts = _expert_param_ids(model)
-    sq = None
-    grads = []
+    grads, groups = [], {}  # (device, copies) -> local gradients, one fused norm call each
     for p in model.parameters():
         grad = p.grad if grad_of is None else grad_of(p)
         if grad is None:
@@ -162,8 +161,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=No
         copies = 1
         if not isinstance(grad, DTensor):
             copies = layout.world // layout.ep if id(p) in experts else layout.world
-        s = g.detach().float().pow(2).sum() / copies
-        sq = s if sq is None else sq + s
+        groups.setdefault((g.device, copies), []).append(g.detach())
+    sq = None
+    for (_, copies), gs in groups.items():
+        norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+        s = torch.stack(norms).pow(2).sum() / copies
+        sq = s if sq is None else sq + s.to(sq.device)
     # On the compute device, where the collective backend works (offloaded grads are on the host)
     dev = loss.device if loss is not None else (sq.device if sq is not None else "cpu")
     sq = torch.zeros((), device=dev) if sq is None else sq.to(dev)
@@ -176,9 +179,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, layout: Layout, grad_of=No
     norm = math.sqrt(total) if total >= 0 else float("nan")
     finite = math.isfinite(norm) and bad_losses == 0
     if finite and max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm, finite
 
 
