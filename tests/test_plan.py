@@ -381,7 +381,7 @@ def test_recipe_linear_core_chunked_plans_and_runs_our_core(tmp_path, capsys):
         out = tmp_path / f"{core}.yaml"
         assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "mi300x", "--gpus", "8",
                      "--seq-len", "131072", "--linear-core", core, "--format", "json",
-                     "--out", str(out)]) == 0
+                     "--keep-attention", "off", "--out", str(out)]) == 0
         d = json.loads(capsys.readouterr().out)
         peaks[core], cps[core] = d["peak_bytes"], d["cp"]
         text = out.read_text()
@@ -503,11 +503,34 @@ def test_keep_attention_adds_the_kernels_tensors_of_each_recomputed_attention_la
 
 
 def test_recipe_keep_attention_is_planned_and_written(tmp_path, capsys):
-    peaks = {}
-    for flag in ([], ["--keep-attention"]):
-        out = tmp_path / f"plan{len(flag)}.yaml"
+    """auto (the default) turns it on where the estimate fits, the bare flag forces it, off
+    plans without it; each plan's YAML carries what was planned."""
+    peaks, kept = {}, {}
+    for name, flag in (("auto", []), ("on", ["--keep-attention"]),
+                       ("off", ["--keep-attention", "off"])):
+        out = tmp_path / f"plan-{name}.yaml"
         assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "mi300x", "--gpus", "8",
                      "--seq-len", "65536", "--format", "json", "--out", str(out)] + flag) == 0
-        peaks[bool(flag)] = json.loads(capsys.readouterr().out)["peak_bytes"]
-        assert ("keep_attention: true" in out.read_text()) == bool(flag)
-    assert peaks[True] > peaks[False]
+        d = json.loads(capsys.readouterr().out)
+        peaks[name], kept[name] = d["peak_bytes"], d["keep_attention"]
+        assert ("keep_attention: true" in out.read_text()) == kept[name]
+        assert load_run_config(str(out)).parallel.keep_attention == kept[name]
+    assert kept == {"auto": True, "on": True, "off": False}
+    assert peaks["auto"] == peaks["on"] > peaks["off"]
+
+
+def test_recipe_keep_attention_auto_declines_what_does_not_fit(capsys):
+    # 128K on 32 H100s at half the budget: CP 4's plain plan fits (30.7 GiB of 38.3), the
+    # attention kernels' tensors (+9 GiB estimated) do not.
+    args = ["--model", "qwen3.5-35b-a3b", "--hardware", "h100", "--gpus", "32", "--seq-len",
+            "131072", "--headroom", "0.5", "--format", "json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["keep_attention"] is False and "would need" in d["reasons"]["keep_attn"]
+    assert d["peak_bytes"] <= d["budget_bytes"]
+    assert main(args + ["--keep-attention", "on"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --keep-attention:")
+    assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "mi300x", "--gpus", "8",
+                 "--seq-len", "16384", "--recompute", "none", "--keep-attention"]) == 2
+    assert "needs full recompute" in capsys.readouterr().err

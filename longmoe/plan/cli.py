@@ -44,10 +44,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--keep-last", default="0", metavar="N|auto",
                    help="trailing layers that store activations instead of recomputing (auto: "
                         "as many as the budget allows; default 0, the table says how many fit)")
-    r.add_argument("--keep-attention", action="store_true",
+    r.add_argument("--keep-attention", nargs="?", const="on", default="auto",
+                   choices=["on", "off", "auto"],
                    help="full recompute keeps the attention kernel's tensors in full-attention "
                         "layers (parallel.keep_attention): no second attention forward, ~0.8 "
-                        "GiB more a layer per 32K local tokens at the Qwen3.5 shape")
+                        "GiB more a layer per 32K local tokens at the Qwen3.5 shape (auto, the "
+                        "default: on where the estimate fits; the flag alone: on)")
     r.add_argument("--sharding", default="fsdp2", choices=["fsdp2", "dist_opt"],
                    help="FSDP2 (longmoe) or a Megatron-style distributed optimizer (comparison)")
     r.add_argument("--logits", default="linear_ce", choices=["linear_ce", "naive"])
@@ -88,10 +90,10 @@ def make_plan(a) -> tuple[Plan, ModelConfig]:
     keep = a.keep_last if a.keep_last == "auto" else _nonneg_int(a.keep_last, "--keep-last")
     cfg, hw = resolve_model(a.model), get_hardware(a.hardware)
     w = Workload(a.seq_len, a.micro_batch, a.recompute, a.sharding, a.logits == "linear_ce",
-                 ep_chunks=a.ep_chunks, grad_sync=getattr(a, "grad_sync", "micro_batch"),
-                 keep_attention=getattr(a, "keep_attention", False))
+                 ep_chunks=a.ep_chunks, grad_sync=getattr(a, "grad_sync", "micro_batch"))
     return plan(cfg, hw, a.gpus, w, model_name=a.model, tp=a.tp, headroom=a.headroom,
-                a=Assumptions(linear_core=a.linear_core), keep_last=keep), cfg
+                a=Assumptions(linear_core=a.linear_core), keep_last=keep,
+                keep_attention=getattr(a, "keep_attention", "auto")), cfg
 
 
 def _nonneg_int(v: str, flag: str) -> int:
@@ -154,6 +156,10 @@ def _argv_of(a) -> list[str]:
         out += ["--linear-core", a.linear_core]
     if getattr(a, "grad_sync", "micro_batch") != "micro_batch":
         out += ["--grad-sync", a.grad_sync]
+    if getattr(a, "keep_attention", "auto") != "auto":
+        out += ["--keep-attention", a.keep_attention]
+    if getattr(a, "keep_last", "0") != "0":
+        out += ["--keep-last", a.keep_last]
     return out
 
 

@@ -62,6 +62,7 @@ class Plan:
                 "grad_sync": w.grad_sync,
                 "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp,
                 "recompute": w.recompute, "keep_last": w.keep_last,
+                "keep_attention": w.keep_attention,
                 "keep_last_fits": self.keep_fits, "sharding": w.sharding,
                 "logits": "linear_ce" if w.linear_ce else "naive", "ep_chunks": self.ep_chunks,
                 "local_seq": self.local_seq, "tokens_per_rank": m.local_tokens,
@@ -144,9 +145,14 @@ def keep_last_fits(cfg: ModelConfig, lay: Layout, w: Workload, budget: int,
 
 def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: str = "",
          tp: int | None = None, a: Assumptions = Assumptions(), headroom: float = HEADROOM,
-         keep_last: int | str = 0, _suggest: bool = True) -> Plan:
+         keep_last: int | str = 0, keep_attention: bool | str = False,
+         _suggest: bool = True) -> Plan:
     """`keep_last`: trailing layers stored without recompute (an int), or "auto" for as many as
-    the budget allows (chosen after the layout; the layout itself is planned without them)."""
+    the budget allows (chosen after the layout; the layout itself is planned without them).
+    `keep_attention`: under full recompute, whether full-attention layers keep their kernel's
+    tensors (True/"on", False/"off", or "auto": on when the estimate still fits, decided after
+    the layout and before `keep_last`, since it buys the attention forward for ~1/5 of what a
+    kept layer costs)."""
     check_gpus(hw, gpus)
     budget = budget_bytes(hw, a, headroom)
     if budget <= 0:
@@ -241,6 +247,7 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
         chunks = local
         reasons["ep_chunks"] += f"; capped at the {local} local expert(s) per rank"
     w = replace(w, ep_chunks=chunks)
+    w = _keep_attention(cfg, chosen.layout, w, budget, a, keep_attention, reasons)
     fits = keep_last_fits(cfg, chosen.layout, w, budget, a)
     keep = fits if keep_last == "auto" else int(keep_last)
     if keep:
@@ -257,6 +264,35 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
     reasons["grad_sync"] = _grad_sync_reason(cfg, chosen.layout, w, budget, a)
     return Plan(model_name, hw, gpus, w, chosen.layout, estimate(cfg, chosen.layout, w, a),
                 budget, reasons, chunks, fits, cfg.num_layers)
+
+
+def _keep_attention(cfg: ModelConfig, lay: Layout, w: Workload, budget: int, a: Assumptions,
+                    want: bool | str, reasons: dict) -> Workload:
+    want = {True: "on", False: "off"}.get(want, want)
+    if want not in ("on", "off", "auto"):
+        raise UserError(f"--keep-attention: expected on, off or auto, got {want!r}")
+    n_attn = sum(cfg.layer_type(i) == "full_attention" for i in range(cfg.num_layers))
+    if want == "off" or w.recompute != "full" or not n_attn:
+        if want == "on":
+            raise UserError(f"--keep-attention: needs full recompute and full-attention layers "
+                            f"(recompute {w.recompute}, {n_attn} attention layers)")
+        return replace(w, keep_attention=False)
+    base = estimate(cfg, lay, replace(w, keep_attention=False), a).peak
+    need = estimate(cfg, lay, replace(w, keep_attention=True), a).peak
+    more = f"+{(need - base) / GiB:.1f} GiB at the estimated peak, {need / GiB:.1f} of {budget / GiB:.1f}"
+    if need > budget:
+        if want == "on":
+            raise UserError(f"--keep-attention: the {n_attn} attention layers' kernel tensors "
+                            f"need {need / GiB:.1f} GiB on {lay.label}, over the "
+                            f"{budget / GiB:.1f} GiB budget")
+        reasons["keep_attn"] = (f"attention recomputed: keeping its kernel's tensors would "
+                                f"need {more} GiB")
+        return replace(w, keep_attention=False)
+    how = "set by --keep-attention" if want == "on" else "it fits"
+    reasons["keep_attn"] = (f"the {n_attn} attention layers keep their kernel's tensors "
+                            f"(parallel.keep_attention; {how}: {more} GiB): the attention "
+                            f"forward is not run again in backward")
+    return replace(w, keep_attention=True)
 
 
 def _grad_sync_reason(cfg: ModelConfig, lay: Layout, w: Workload, budget: int,
