@@ -151,8 +151,8 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
     the budget allows (chosen after the layout; the layout itself is planned without them).
     `keep_attention`: under full recompute, whether full-attention layers keep their kernel's
     tensors (True/"on", False/"off", or "auto": on when the estimate still fits, decided after
-    the layout and before `keep_last`, since it buys the attention forward for ~1/5 of what a
-    kept layer costs)."""
+    the layout and before `keep_last`: an attention layer's kernel tensors cost ~1/5 of what a
+    layer kept without recompute does)."""
     check_gpus(hw, gpus)
     budget = budget_bytes(hw, a, headroom)
     if budget <= 0:
