@@ -107,8 +107,7 @@ class GatedDeltaNet(nn.Module):
         """Depthwise causal conv + SiLU; `halo` = the K-1 inputs before this span (else zeros);
         `history` (packed rows): tokens since each token's sample began. Where Triton kernels
         run (GPUs; CPU under TRITON_INTERPRET=1) our kernels, ops/kernels/causal_conv.py
-        (forward+backward 0.93 ms, 1.34 with halo and history, at 32K tokens x 8192 channels on
-        an H200, where the compiled conv took 4.0 and 4.5); else, on GPUs, compiled. The
+        (against the compiled conv: results/h200/causal_conv.json); else, on GPUs, compiled. The
         compiled core ("chunked_compiled") keeps the compiled conv beside it, an eager core the
         eager conv. The kernels return q, k and v as three contiguous tensors (the core would
         copy v's column slice, and the slices' gradients would be concatenated); the other

@@ -279,7 +279,8 @@ def _keep_attention(cfg: ModelConfig, lay: Layout, w: Workload, budget: int, a: 
         return replace(w, keep_attention=False)
     base = estimate(cfg, lay, replace(w, keep_attention=False), a).peak
     need = estimate(cfg, lay, replace(w, keep_attention=True), a).peak
-    more = f"+{(need - base) / GiB:.1f} GiB at the estimated peak, {need / GiB:.1f} of {budget / GiB:.1f}"
+    more = (f"+{(need - base) / GiB:.1f} GiB at the estimated peak, {need / GiB:.1f} of "
+            f"{budget / GiB:.1f}")
     if need > budget:
         if want == "on":
             raise UserError(f"--keep-attention: the {n_attn} attention layers' kernel tensors "
