@@ -152,7 +152,8 @@ ONE = {"prompt": [1], "response": [2, 3]}
     ({**ONE, "advantage": 1.0, "loss_mask": [1, 0.5]}, r"loss_mask\[1\]: 0.5 is not 0 or 1"),
     ({**ONE, "advantage": 1.0, "loss_mask": ["1", 0]}, r"loss_mask\[0\]: '1' is not 0 or 1"),
     ({**ONE, "advantage": 1.0, "loss_mask": [2, 0]}, r"loss_mask\[0\]: 2 is not 0 or 1"),
-    ({**ONE, "advantage": 1.0, "loss_mask": [1.0, 0]}, r"loss_mask\[0\]: 1.0 is not 0 or 1"),
+    ({**ONE, "advantage": 1.0, "loss_mask": [1.0, -1]}, r"loss_mask\[1\]: -1 is not 0 or 1"),
+    ({**ONE, "advantage": 1.0, "loss_mask": [None, 1]}, r"loss_mask\[0\]: None is not 0 or 1"),
     ('{"prompt": [1], "response": [2, 3], "advantage": 1, "reward": NaN}', "NaN is not valid JSON"),
     # seq_len 6 trains at most 7 tokens (the last response token is only a label)
     ({"prompt": [1] * 7, "response": [2], "advantage": 1.0}, "prompt: 7 tokens leave no room"),

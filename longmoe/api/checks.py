@@ -7,14 +7,16 @@ its `where`) and the field.
 
 Log-prob fields are read only at the tokens the loss trains (the loss mask, minus the first
 response token of an empty prompt, which nothing predicts, and tokens data.overlong cuts):
-there they must be finite and at most LOGPROB_TOL. Untrained positions may hold anything, NaN included (compute_logprobs returns
-NaN where it has no value).
+there they must be finite and at most LOGPROB_TOL. Untrained positions may hold anything, NaN
+included (compute_logprobs returns NaN where it has no value). NaN never means on-policy: a
+missing field (None) does, for old_logprobs. A loss mask is bool or all 0/1 (integers or floats).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,38 @@ def check_samples(samples, what: str, vocab_size: int, require: dict[str, str] |
             _check_signal(name, s, R, require or {}, R if kept is None else kept[k])
 
 
+def _check_mask(name: str, s: Sample, R: int) -> None:
+    """bool, or integers / floats that are all 0 or 1 (with_bool_mask makes them bool)."""
+    m = s.loss_mask
+    if m is None:
+        return
+    _per_token(name, "loss_mask", m, R, floating=False)
+    if m.is_complex():
+        raise UserError(f"{name}: loss_mask must be bool or 0/1 integers or floats, got {m.dtype}")
+    if m.dtype != torch.bool:
+        bad = (m != 0) & (m != 1)
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0])
+            raise UserError(f"{name}: loss_mask[{j}]: {m[j].item()!r} is not 0 or 1 (the mask "
+                            f"is bool or 0/1)")
+
+
+def check_masks(samples, what: str) -> None:
+    """UserError for the first loss_mask that is not bool or all 0/1 (samples already passed
+    check_samples with signal=False). Runs before the call is planned: the plan counts the
+    trained tokens through the masks."""
+    for k, s in enumerate(samples):
+        _check_mask(f"{what}: {sample_name(k, s)}", s, s.response.numel())
+
+
+def with_bool_mask(s: Sample) -> Sample:
+    """The sample with a 0/1 integer or float loss mask as bool (what packing indexes with)."""
+    m = s.loss_mask
+    if m is None or m.dtype == torch.bool:
+        return s
+    return replace(s, loss_mask=m != 0)
+
+
 def _check_signal(name: str, s: Sample, R: int, require: dict[str, str], kept: int) -> None:
     a = s.advantage
     if isinstance(a, torch.Tensor):
@@ -102,12 +136,7 @@ def _check_signal(name: str, s: Sample, R: int, require: dict[str, str], kept: i
                         f"{type(a).__name__}")
     elif not math.isfinite(a):
         raise UserError(f"{name}: advantage: {a} is not finite")
-    if s.loss_mask is not None:
-        _per_token(name, "loss_mask", s.loss_mask, R, floating=False)
-        m = s.loss_mask
-        if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):
-            j = int(((m != 0) & (m != 1)).nonzero()[0])
-            raise UserError(f"{name}: loss_mask[{j}]: {m[j].item()!r} is not 0 or 1")
+    _check_mask(name, s, R)
     keep = trained_positions(s)
     keep[kept:] = False
     for field in LOGPROB_FIELDS:
@@ -121,8 +150,9 @@ def _check_signal(name: str, s: Sample, R: int, require: dict[str, str], kept: i
         bad = keep & ~torch.isfinite(v)
         if bool(bad.any()):
             j = int(bad.nonzero()[0])
+            hint = "; on-policy is old_logprobs=None" if field == "old_logprobs" else ""
             raise UserError(f"{name}: {field}[{j}]: {float(v[j])} is not finite (a trained "
-                            f"token needs a log-probability)")
+                            f"token needs a log-probability{hint})")
         bad = keep & (v > LOGPROB_TOL)
         if bool(bad.any()):
             j = int(bad.nonzero()[0])

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from longmoe.api.batches import (labelled, plan_call, rank_step_data, response_offsets,
                                  scatter_results, whole_rows)
-from longmoe.api.checks import agree, check_samples
+from longmoe.api.checks import agree, check_masks, check_samples, with_bool_mask
 from longmoe.backends import active_backend, get_backend
 from longmoe.errors import UserError
 from longmoe.model.flops import balance_crossover
@@ -54,6 +54,18 @@ def _count(name: str, v) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise UserError(f"forward_backward: {name} must be a positive int or None, got {v!r}")
     return v
+
+
+def _not_below(num_tokens, num_samples, tokens: int, samples: int) -> None:
+    """A normaliser below the call's own count would scale its loss up (num_tokens=3 for 28
+    trained tokens: 9x); the normalisers are the whole batch's counts, so at least the call's."""
+    for name, v, own, what in (("num_tokens", num_tokens, tokens, "trained tokens"),
+                               ("num_samples", num_samples, samples, "samples with a trained "
+                                                                     "token")):
+        if v is not None and v < own:
+            raise UserError(f"forward_backward: {name}={v} is below this call's own {own} "
+                            f"{what}: pass the whole batch's counts (PolicyTrainer.counts) or "
+                            f"None")
 
 
 class PolicyTrainer:
@@ -126,20 +138,31 @@ class PolicyTrainer:
 
     # ---- samples -------------------------------------------------------------------------------
 
-    def _checked(self, samples, what: str, call: str, signal: bool, extra=()):
+    def _plan(self, samples, what: str, signal: bool):
+        """The call's plan, from the samples as trained: 0/1 masks as bool; compute_logprobs
+        (not `signal`) reads no training field, the mask included."""
+        check_samples(samples, what, self.run.model.vocab_size, signal=False)
+        if signal:
+            check_masks(samples, what)
+        fix = with_bool_mask if signal else labelled
+        return plan_call(self.run, [fix(s) for s in samples], self.layout.data_world,
+                         self.crossover, what)
+
+    def _checked(self, samples, what: str, call: str, signal: bool, extra=(), after=()):
         """Host checks and the call's plan, then the agreement collective (checks.agree): the
-        same verdict on every rank before any collective of the model. Returns the plan."""
+        same verdict on every rank before any collective of the model. `extra`: checks of the
+        call's other arguments; `after`: of the arguments against the plan. Returns the plan."""
         error = plan = None
         try:
             for check in extra:
                 check()
             V, need = self.run.model.vocab_size, self.run.loss.required_logprobs()
-            check_samples(samples, what, V, signal=False)
-            plan = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
-                             what)
+            plan = self._plan(samples, what, signal)
             if signal:
                 kept = [max(n - s.prompt_len, 0) for s, n in zip(samples, plan.plan.lengths)]
                 check_samples(samples, what, V, need, signal=True, kept=kept)
+            for check in after:
+                check(plan.tokens, plan.samples)
         except UserError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - a peer must not wait for a rank that failed
@@ -151,9 +174,7 @@ class PolicyTrainer:
     def counts(self, samples) -> dict:
         """{"tokens", "samples"}: what forward_backward(samples) normalises by (the trained
         tokens after data.overlong, and the samples with a trained token). Host only."""
-        check_samples(samples, "counts", self.run.model.vocab_size, signal=False)
-        call = plan_call(self.run, list(samples), self.layout.data_world, self.crossover,
-                         "counts")
+        call = self._plan(samples, "counts", True)
         return {"tokens": call.tokens, "samples": call.samples}
 
     def forward_backward(self, samples, num_tokens: int | None = None,
@@ -170,10 +191,13 @@ class PolicyTrainer:
             data = samples
             n_tok, n_smp = step_counts(data.trained_tokens, data.trained_samples, self.layout,
                                        self.device)
+            _count("num_tokens", num_tokens), _count("num_samples", num_samples)
+            _not_below(num_tokens, num_samples, n_tok, n_smp)   # the counts are global
         else:
             call = self._checked(samples, what, f"forward_backward {num_tokens} {num_samples}",
                                  True, extra=(lambda: _count("num_tokens", num_tokens),
-                                              lambda: _count("num_samples", num_samples)))
+                                              lambda: _count("num_samples", num_samples)),
+                                 after=(lambda t, n: _not_below(num_tokens, num_samples, t, n),))
             data = rank_step_data(self.run, call, self.layout.data_rank)
             n_tok, n_smp = call.tokens, call.samples
         tokens = num_tokens if num_tokens is not None else n_tok

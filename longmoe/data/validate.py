@@ -103,8 +103,10 @@ def check_sample(row: dict, where: str, vocab_size: int,
                 raise UserError(f"{where}: {key}[{i}]: {v} is positive (a log-probability "
                                 f"is <= 0)")
     for i, v in enumerate(_per_token(row, "loss_mask", n, where) or []):
-        if type(v) is not int or v not in (0, 1):
-            raise UserError(f"{where}: loss_mask[{i}]: {v!r} is not 0 or 1")
+        # true/false, 0/1 or 0.0/1.0: a Parquet bool column, numpy floats, JSON integers
+        if not isinstance(v, (bool, int, float)) or v not in (0, 1):
+            raise UserError(f"{where}: loss_mask[{i}]: {v!r} is not 0 or 1 (the mask is "
+                            f"bool or 0/1)")
 
 
 def fit(row: dict, seq_len: int, policy: str, where: str) -> tuple[dict | None, str]:
