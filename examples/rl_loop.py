@@ -105,7 +105,7 @@ def hand_off(pt, engine, bucket_bytes: int) -> float:
     t0 = time.perf_counter()
     buckets = pt.named_weights_for_rollout(bucket_bytes, senders="rank0")
     if engine is not None:
-        load_into_hf_model(engine, buckets)
+        load_into_hf_model(engine, buckets, pt.run)  # checks the engine's config first
     else:
         for _ in buckets:  # rank 0 gathers the experts this rank holds
             pass

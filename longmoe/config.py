@@ -17,6 +17,21 @@ from longmoe.errors import ConfigError
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
+def declared_types(obj, prefix: str):
+    """Every float field of the frozen dataclass `obj` stored as a float (a whole number from YAML
+    or `--set x=0` arrives as an int, and a config.json written from it then fails transformers'
+    strict float check on load); a bool is neither a number nor stored as one, and a bool field
+    takes only true or false."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.type == "float":
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{prefix}.{f.name}", f"expected a number, got {v!r}")
+            object.__setattr__(obj, f.name, float(v))
+        elif f.type == "bool" and not isinstance(v, bool):
+            raise ConfigError(f"{prefix}.{f.name}", f"expected true or false, got {v!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 512
@@ -60,6 +75,7 @@ class ModelConfig:
     source: str = ""
 
     def __post_init__(self):
+        declared_types(self, "model")
         pos = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                "head_dim", "num_experts", "top_k", "moe_ffn_size", "max_seq_len"]
         for name in pos:

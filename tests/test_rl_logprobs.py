@@ -69,7 +69,8 @@ def test_transformers_after_hand_off_matches_compute_logprobs(kind, tmp_path):
     hf = _tiny_hf(kind, seed + 2)
     before, _ = _hf_logprobs(hf, ranks[0]["ids"], ranks[0]["labels"])
     assert (before - ranks[0]["lp"].double()).abs().max() > 1e-2  # not already equal
-    load_into_hf_model(hf, ranks[0]["buckets"])
+    from longmoe.train.config import from_dict
+    load_into_hf_model(hf, ranks[0]["buckets"], from_dict(run))
     for r in ranks:
         lp, ent = _hf_logprobs(hf, r["ids"], r["labels"])
         torch.testing.assert_close(r["lp"].double(), lp, rtol=1e-4, atol=1e-4)

@@ -169,7 +169,9 @@ def _model_and_buckets():
 def _receiver(buckets, cfg):
     """A module whose parameter names are the buckets' keys with each layer's experts fused
     (gate_up_proj [E, 2F, H], down_proj [E, H, F]), the way transformers stores them."""
+    from longmoe.model.hf import hf_config
     root = torch.nn.Module()
+    root.config = hf_config(cfg)  # what load_into_hf_model checks before copying
     E, F, H = cfg.num_experts, cfg.moe_ffn_size, cfg.hidden_size
 
     def put(path, tensor):
@@ -196,7 +198,7 @@ def test_load_into_fused_receiver_and_mismatches_name_the_tensor():
     cfg, buckets = _model_and_buckets()
     flat = dict(kv for b in buckets for kv in b)
     recv = _receiver(buckets, cfg)
-    assert load_into_hf_model(recv, buckets) == len(flat)
+    assert load_into_hf_model(recv, buckets, cfg) == len(flat)
     params = dict(recv.named_parameters())
     fused = params["model.layers.0.mlp.experts.gate_up_proj"]
     F = cfg.moe_ffn_size
@@ -212,20 +214,22 @@ def test_load_into_fused_receiver_and_mismatches_name_the_tensor():
         return [[(k, t) for k, t in b if not pred(k)] for b in buckets]
 
     with pytest.raises(UserError, match=r"no tensor was sent for model\.norm\.weight"):
-        load_into_hf_model(_receiver(buckets, cfg), without(lambda k: k == "model.norm.weight"))
+        load_into_hf_model(_receiver(buckets, cfg), without(lambda k: k == "model.norm.weight"),
+                           cfg)
     with pytest.raises(UserError, match=r"gate_up_proj: expert 3 was not sent"):
         load_into_hf_model(_receiver(buckets, cfg),
-                           without(lambda k: k == "model.layers.0.mlp.experts.3.up_proj.weight"))
+                           without(lambda k: k == "model.layers.0.mlp.experts.3.up_proj.weight"),
+                           cfg)
     bad = [[(k, t[:-1] if k == "lm_head.weight" else t) for k, t in b] for b in buckets]
     V, H = cfg.vocab_size, cfg.hidden_size
     with pytest.raises(UserError, match=rf"lm_head\.weight has shape \({V - 1}, {H}\), the "
                                         rf"model needs \({V}, {H}\)"):
-        load_into_hf_model(_receiver(buckets, cfg), bad)
+        load_into_hf_model(_receiver(buckets, cfg), bad, cfg)
     extra = buckets + [[("model.layers.9.mlp.gate.weight", torch.zeros(2))]]
     with pytest.raises(UserError, match=r"has no parameter model\.layers\.9\.mlp\.gate\.weight"):
-        load_into_hf_model(_receiver(buckets, cfg), extra)
+        load_into_hf_model(_receiver(buckets, cfg), extra, cfg)
     with pytest.raises(UserError, match="sent twice"):
-        load_into_hf_model(_receiver(buckets, cfg), buckets + buckets[:1])
+        load_into_hf_model(_receiver(buckets, cfg), buckets + buckets[:1], cfg)
 
 
 def test_bad_arguments():

@@ -18,6 +18,8 @@ Names: ours <- theirs (prefix `model.` or, for the multimodal checkpoint, `model
   layers.i.moe.experts.w_in[e] = [gate_proj; up_proj]^T, w_out[e] = down_proj^T
   layers.i.moe.shared.gate_up = [gate_proj; up_proj], .down, .gate <- mlp.shared_expert(_gate)
   head.norm.weight <- norm.weight
+Which architecture a config is written as, and how RMSNorm weights convert between the w and
+(1 + w) conventions, is decided in hf_compat.py: exactly, or refused naming the field.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from longmoe.errors import UserError
+from longmoe.model.hf_compat import QWEN3, QWEN35, check_state, is_offset_norm, target
 
-SUPPORTED = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+SUPPORTED = (QWEN3, "qwen3_5_moe", QWEN35)
 
 
 class _Store:
@@ -168,6 +171,21 @@ def _source(store: _Store, ours: str, first_expert: int):
     raise UserError(f"hf checkpoint: no mapping for parameter {ours}")
 
 
+def _import_shift(store: _Store, cfg) -> float:
+    """The checkpoint's model_type must be the architecture that computes `cfg` (hf_compat);
+    returns the RMSNorm shift between its convention and ours."""
+    conf = store.dir / "config.json"
+    if not conf.exists():
+        raise UserError(f"hf checkpoint: {store.dir} has no config.json (its model_type decides "
+                        f"how the RMSNorm weights convert)")
+    mt = json.loads(conf.read_text()).get("model_type")
+    want = target(cfg)
+    if {"qwen3_5_moe": QWEN35}.get(mt, mt) != want.model_type:
+        raise UserError(f"hf checkpoint: {conf} has model_type {mt!r}; the model config computes "
+                        f"{want.model_type} (chosen by model.{want.chosen_by})")
+    return want.norm_shift
+
+
 @torch.no_grad()
 def load_hf(model, directory: str | Path) -> int:
     """Fill every parameter of `model` (plain, FSDP2-sharded or expert-parallel) from a Hugging
@@ -175,12 +193,15 @@ def load_hf(model, directory: str | Path) -> int:
     against the model before anything is copied, so a mismatch leaves the model untouched."""
     from longmoe.model.moe import GroupedExperts
     store = _Store(directory)
+    shift = _import_shift(store, model.cfg)
     first = {_plain(n): m.first_expert
              for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
     plan = []
     for name, p in _our_layer_names(model).items():
         owner = name.rsplit(".", 1)[0]
         readf, shape = _source(store, name, first.get(owner, 0))
+        if shift and is_offset_norm(name):  # theirs = ours + shift (hf_compat)
+            readf = (lambda f: lambda lo, hi: f(lo, hi).float() - shift)(readf)
         full = tuple(p.shape)
         want = full[1:] if owner in first else full
         got = tuple(shape[1:]) if owner in first else tuple(shape)
@@ -216,9 +237,14 @@ def gathered_parameters(model):
         del full  # before the next gather, not after it
 
 
-def hf_tensors(name: str, t: torch.Tensor, first_expert: int, cfg, prefix: str = "model.") -> dict:
-    """Our (full, or one rank's experts) tensor -> {hf key: tensor} in the published layout. The
-    values are views of `t` (per expert: transposed)."""
+def hf_tensors(name: str, t: torch.Tensor, first_expert: int, cfg, prefix: str = "model.",
+               grad: bool = False) -> dict:
+    """Our (full, or one rank's experts) tensor -> {hf key: tensor} in the published layout of
+    hf_compat.target(cfg). The values are views of `t` (per expert: transposed), except RMSNorm
+    weights whose convention differs from the target's (w -/+ 1, a new tensor). `grad`: `t` is a
+    gradient, which maps unchanged (d/d(w - 1) = d/dw)."""
+    if not grad and is_offset_norm(name) and (shift := target(cfg).norm_shift):
+        t = t + shift
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if name == "embed.weight":
         return {prefix + "embed_tokens.weight": t}
@@ -248,32 +274,34 @@ def hf_tensors(name: str, t: torch.Tensor, first_expert: int, cfg, prefix: str =
 
 
 def hf_config(cfg, dtype: str = "bfloat16") -> dict:
-    """A `qwen3_5_moe_text` (hybrid or gated-attention) or `qwen3_moe` config.json for `cfg`."""
-    qwen35 = cfg.norm_unit_offset or cfg.attn_output_gate or bool(cfg.layer_types)
-    out = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+    """config.json for `cfg` as the architecture that computes it (hf_compat.target: qwen3_moe or
+    qwen3_5_moe_text; ConfigError naming the field where none does). Every value transformers
+    reads to build the model is written, floats as floats (its strict config rejects an int)."""
+    cfg = getattr(cfg, "model", cfg)
+    t = target(cfg)
+    rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    out = {"model_type": t.model_type, "architectures": [t.architecture],
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-           "rms_norm_eps": cfg.rms_norm_eps, "num_experts": cfg.num_experts,
+           "rms_norm_eps": float(cfg.rms_norm_eps), "num_experts": cfg.num_experts,
            "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.moe_ffn_size,
            "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu",
-           "tie_word_embeddings": False, "router_aux_loss_coef": cfg.router_aux_loss_coef,
-           "dtype": dtype}
-    if qwen35:
-        out.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
-                   shared_expert_intermediate_size=cfg.shared_expert_ffn_size,
+           "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+           "router_aux_loss_coef": float(cfg.router_aux_loss_coef), "dtype": dtype}
+    if t.model_type == QWEN35:
+        rope["partial_rotary_factor"] = float(cfg.partial_rotary_factor)
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_size,
                    layer_types=[cfg.layer_type(i) for i in range(cfg.num_layers)],
                    linear_conv_kernel_dim=cfg.linear_conv_kernel,
                    linear_key_head_dim=cfg.linear_key_head_dim,
                    linear_value_head_dim=cfg.linear_value_head_dim,
                    linear_num_key_heads=cfg.linear_num_key_heads,
-                   linear_num_value_heads=cfg.linear_num_value_heads,
-                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                    "partial_rotary_factor": cfg.partial_rotary_factor})
+                   linear_num_value_heads=cfg.linear_num_value_heads)
     else:
-        out.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                   num_local_experts=cfg.num_experts,
-                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
-                   rope_theta=cfg.rope_theta)
+        out.update(num_local_experts=cfg.num_experts, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+    out["rope_parameters"] = rope
     return out
 
 
@@ -289,6 +317,8 @@ def export_hf(model, cfg, directory: str | Path, dtype: torch.dtype = torch.bflo
     """Write `model` (every rank calls this) as a Hugging Face checkpoint directory."""
     from safetensors.torch import save_file
 
+    target(cfg)  # every rank refuses the same config, before any collective
+    check_state(model, cfg, "export_hf")
     out = Path(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:

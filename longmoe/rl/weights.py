@@ -1,7 +1,10 @@
 """The policy's weights for a rollout engine: Hugging Face names and full tensors, in buckets.
 
 Layout: what `export_hf` writes (the same keys, shapes and values; experts per expert,
-`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`), which vLLM, SGLang and transformers load.
+`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`), which vLLM, SGLang and transformers load,
+for the architecture longmoe.model.hf_compat.target picks (`hf_config` is its config.json). A
+config no architecture computes is refused before any gather; the receiver must be built from
+that config (load_into_hf_model checks it).
 
 Who sends what (`senders`):
   "owners" (default)  rank 0 yields the dense tensors; the first rank of each expert-parallel
@@ -30,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from longmoe.errors import UserError
-from longmoe.model.hf import gathered_parameters, hf_tensors
+from longmoe.model.hf import gathered_parameters, hf_config, hf_tensors
+from longmoe.model.hf_compat import check_receiver, check_state, target
 
 Bucket = list[tuple[str, torch.Tensor]]
 SENDERS = ("owners", "rank0")
@@ -79,6 +83,8 @@ def named_weights_for_rollout(model, run_or_model_cfg, layout, bucket_bytes: int
         raise UserError(f"named_weights_for_rollout: senders must be one of {', '.join(SENDERS)}, "
                         f"got {senders!r}")
     cfg = getattr(run_or_model_cfg, "model", run_or_model_cfg)
+    target(cfg)  # the same verdict on every rank, before the first gather
+    check_state(model, cfg, "named_weights_for_rollout")
     return _buckets(model, cfg, layout, bucket_bytes, dtype, senders)
 
 
@@ -133,12 +139,18 @@ def _fused_slot(hf_params: dict, key: str):
 
 
 @torch.no_grad()
-def load_into_hf_model(hf_model, buckets) -> int:
+def load_into_hf_model(hf_model, buckets, run_or_model_cfg) -> int:
     """Copy buckets (from every sending rank, in any order) into a transformers model's
-    parameters; returns the number of tensors copied. Per-expert keys go into fused expert
-    parameters where the model has them. A name the model does not have, a shape that differs,
-    or a parameter left unfilled raises one UserError naming it; names and shapes are checked
-    before a tensor is copied."""
+    parameters; returns the number of tensors copied. `run_or_model_cfg`: the policy's RunConfig
+    or ModelConfig; first, every value of `hf_model.config` that transformers reads to build the
+    model must be what hf_config writes for it (hf_compat.check_receiver), so the receiver
+    computes the policy's function. Per-expert keys go into fused expert parameters where the
+    model has them. A config value, a name the model does not have, a shape that differs, or a
+    parameter left unfilled raises one UserError naming it; all but the last are checked before
+    a tensor is copied."""
+    what = "load_into_hf_model"
+    check_receiver(getattr(hf_model, "config", None), hf_config(run_or_model_cfg), run_or_model_cfg,
+                   what)
     params = dict(hf_model.named_parameters())
     filled: dict[str, torch.Tensor] = {}  # per fused parameter: which (expert, row) were written
     seen, n = set(), 0

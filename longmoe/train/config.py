@@ -372,6 +372,8 @@ def _section(cls, raw: Any, name: str):
             continue
         if want == "str" and not isinstance(v, str):
             raise ConfigError(f"{name}.{k}", f"expected a string, got {v!r}")
+    # A whole number for a float field (`--set optim.lr=1`) is stored as the float it means.
+    raw = {k: float(v) if known[k].type == "float" else v for k, v in raw.items()}
     if "betas" in raw:
         raw = {**raw, "betas": tuple(raw["betas"])}
     if isinstance(raw.get("recompute"), list):

@@ -46,6 +46,9 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
                         f"({run.model.linear_conv_kernel - 1})")
     if run.train.init_hf:
         check_hf_init(run)
+    if run.train.export_hf:  # the architecture that computes this model, or refused by field
+        from longmoe.model.hf_compat import target
+        target(run.model)
     if not planned and run.data.seq_len % (2 * cp):
         raise UserError(f"parallel.cp: data.seq_len={run.data.seq_len} does not split into "
                         f"2*cp={2 * cp} equal zigzag pieces")
