@@ -33,14 +33,24 @@ def _params(model) -> dict[str, torch.Tensor]:
             .detach().cpu().clone() for n, p in model.named_parameters()}
 
 
+def _grads(model) -> dict[str, torch.Tensor]:
+    """Every gradient as docs/api.md ("Reading gradients") says to read it between
+    forward_backward and optim_step: full_tensor() on every rank, in the same order."""
+    from torch.distributed.tensor import DTensor
+    return {n.replace("block.", ""): (p.grad.full_tensor() if isinstance(p.grad, DTensor)
+                                      else p.grad).detach().cpu().clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _delta(before, after):
     return {k: after[k] - before[k] for k in before}
 
 
-def _train_once(run, samples, calls=None, probe=False):
+def _train_once(run, samples, calls=None, probe=False, grads=None):
     """A fresh trainer: forward_backward over `calls` (lists of samples with keyword args), one
     optim_step; (stats of each call, optim info, parameter update, trainer). `probe`: a
-    compute_logprobs after each call, which must change nothing of the step."""
+    compute_logprobs after each call, which must change nothing of the step. `grads` (a dict):
+    filled with the gradients read before the optim_step."""
     from longmoe.api import PolicyTrainer
     pt = PolicyTrainer(run)
     p0 = _params(pt.model)
@@ -49,6 +59,8 @@ def _train_once(run, samples, calls=None, probe=False):
         stats.append(pt.forward_backward(s, **kw))
         if probe:
             pt.compute_logprobs(s[:3])
+    if grads is not None:
+        grads.update(_grads(pt.model))
     info = pt.optim_step()
     return stats, info, _delta(p0, _params(pt.model)), pt
 
@@ -60,8 +72,8 @@ def scenario(run_dict, seed, ckpt_dir):
     run = from_dict(run_dict)
     S = make_samples(seed, 9)
     A, B = S[:4], S[4:]
-    out = {}
-    stats, info, delta, pt = _train_once(run, S)
+    out = {"grads": {}}
+    stats, info, delta, pt = _train_once(run, S, grads=out["grads"])
     out.update(stats=stats[0], info=info, delta=delta)
     out["logprobs"], out["entropy"] = pt.compute_logprobs(S, with_entropy=True)
     pt.save(ckpt_dir)
@@ -165,6 +177,22 @@ def test_two_ranks_equal_one_process(two_ranks):
     for k in ("kl", "tis_weight", "tis_clip_frac", "dual_clip_frac", "ratio", "entropy"):
         assert k in one["stats"], k
     assert 0 < one["stats"]["tis_weight"] <= 1.5
+
+
+def test_gradients_read_on_ranks(two_ranks):
+    """docs/api.md, "Reading gradients": between forward_backward and optim_step, a dense
+    gradient's full_tensor() is world size 1's on every rank; an expert gradient's is the rank's
+    own experts, parallel.ep (here 2) times theirs until optim_step settles it."""
+    ranks, one = two_ranks
+    ref = one["grads"]
+    assert len(ref) > 10 and any(".experts." in n for n in ref)
+    for name, g in ref.items():
+        assert g.abs().max() > 0, name   # the comparison can fail
+        if ".experts." in name:
+            assert rel_err(torch.cat([r["grads"][name] for r in ranks]) / 2, g) < TOL, name
+        else:
+            for r in ranks:
+                assert rel_err(r["grads"][name], g) < TOL, name
 
 
 def test_accumulated_calls(two_ranks):
