@@ -74,6 +74,19 @@ def _seeded(request):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ranks():
+    """Every CPU `run_ranks` call of the run reuses one group of gloo ranks per world size
+    (longmoe/paired/rank_pool.py) instead of starting two to four interpreters per call.
+    LONGMOE_TEST_FRESH_RANKS=1 starts fresh ranks for every call instead."""
+    if os.environ.get("LONGMOE_TEST_FRESH_RANKS", "") not in ("", "0"):
+        yield
+        return
+    from longmoe.paired.rank_pool import shared_ranks
+    with shared_ranks():
+        yield
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -36,7 +36,12 @@ def _entry(rank: int, world: int, fn, args: tuple, out_dir: str, device: str):
 
 def run_ranks(fn, world: int, *args, device: str = "cpu") -> list:
     """fn(rank, world, backend, *args) on `world` spawned ranks; returns their results in order.
-    `fn` must be importable (module level) because ranks start with spawn."""
+    `fn` must be importable (module level) because ranks start with spawn. Inside
+    `rank_pool.shared_ranks()`, CPU calls run on ranks started once and reused."""
+    from longmoe.paired.rank_pool import pooled
+    pool = pooled(world, device)
+    if pool is not None:
+        return pool.run(fn, args)
     with tempfile.TemporaryDirectory(prefix="longmoe-ranks-") as out:
         mp.start_processes(_entry, args=(world, fn, args, out, device),
                            nprocs=world, start_method="spawn", join=True)
