@@ -275,11 +275,25 @@ def test_add_parser_registers_recipe():
 
 @pytest.mark.parametrize("name,hw,gpus", [("h100_qwen35_128k", "h100", 32),
                                           ("mi300x_qwen35_128k", "mi300x", 8)])
-def test_shipped_recipes_are_what_the_planner_writes(name, hw, gpus):
-    shipped = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())
-    assert shipped == run_config(_plan(Q35, hw, gpus, 131072))
+def test_shipped_recipes_are_what_the_planner_writes(name, hw, gpus, tmp_path, capsys):
+    # Each file names the command that wrote it; that command (the required flags only, so every
+    # other setting is the CLI's default of today) writes the same bytes. A planner or default
+    # change that the shipped files do not follow fails here.
+    text = (RECIPE_DIR / f"{name}.yaml").read_text()
+    command = text.splitlines()[0].removeprefix("# Planned by: ").split()
+    required = ["longmoe", "recipe", "--model", Q35, "--hardware", hw, "--gpus", str(gpus),
+                "--seq-len", "131072"]
+    assert command == required
+    out = tmp_path / f"{name}.yaml"
+    assert main(command[2:] + ["--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert out.read_text() == text
+    shipped = yaml.safe_load(text)
     from_dict(shipped)
     assert (shipped["parallel"]["cp"] == 1) == (hw == "mi300x")
+    # the file's peak is the one the command prints
+    peak = re.search(r"estimated peak ([\d.]+) GiB per GPU", table).group(1)
+    assert f"estimated peak {peak} GiB per GPU" in text.splitlines()[1]
 
 
 def test_hardware_profiles_cite_every_figure():
@@ -521,16 +535,54 @@ def test_recipe_keep_attention_is_planned_and_written(tmp_path, capsys):
 
 def test_recipe_keep_attention_auto_declines_what_does_not_fit(capsys):
     # 128K on 32 H100s at half the budget: CP 4's plain plan fits (30.7 GiB of 38.3), the
-    # attention kernels' tensors (+9 GiB estimated) do not.
+    # attention kernels' tensors (+9 GiB estimated) do not: auto keeps CP 4 and recomputes
+    # attention; on plans for them, so it takes the layout where they fit (CP 8).
     args = ["--model", "qwen3.5-35b-a3b", "--hardware", "h100", "--gpus", "32", "--seq-len",
             "131072", "--headroom", "0.5", "--format", "json"]
     assert main(args) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["keep_attention"] is False and "would need" in d["reasons"]["keep_attn"]
-    assert d["peak_bytes"] <= d["budget_bytes"]
-    assert main(args + ["--keep-attention", "on"]) == 2
+    assert d["peak_bytes"] <= d["budget_bytes"] and d["cp"] == 4
+    assert main(args + ["--keep-attention", "on"]) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert on["keep_attention"] is True and on["cp"] == 8 and on["peak_bytes"] <= on["budget_bytes"]
+    # where no layout holds them, on is one line naming the flag
+    assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "h100", "--gpus", "8",
+                 "--seq-len", "131072", "--keep-attention", "on"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --keep-attention:")
+    assert len(err) == 1 and err[0].startswith("error:") and "--keep-attention on" in err[0]
     assert main(["--model", "qwen3.5-35b-a3b", "--hardware", "mi300x", "--gpus", "8",
                  "--seq-len", "16384", "--recompute", "none", "--keep-attention"]) == 2
     assert "needs full recompute" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hw,gpus,extra", [("h100", 32, []), ("h100", 32, ["--keep-last", "auto"]),
+                                           ("mi300x", 8, []),
+                                           ("h100", 32, ["--headroom", "0.5", "--keep-attention",
+                                                         "on"])])
+def test_explain_gives_each_cell_one_number(capsys, hw, gpus, extra):
+    # The reasons, the plan's peak and the grid all judge a layout with the same settings (the
+    # EP chunks it would run, keep_attention as the plan decides it, the plan's own kept layers
+    # for the chosen cell): a layout named twice has one number.
+    args = ["--model", Q35, "--hardware", hw, "--gpus", str(gpus), "--seq-len", "131072",
+            "--explain"] + extra
+    assert main(args + ["--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    cells = {(c["tp"], c["pp"], c["ep"], c["cp"]): c for c in d["grid"]}
+    chosen = cells[(d["tp"], d["pp"], d["ep"], d["cp"])]
+    assert chosen["verdict"] == "fits" and chosen["peak_bytes"] == d["peak_bytes"]
+    gib = {k: f"{c['peak_bytes'] / GiB:.1f}" for k, c in cells.items() if c["peak_bytes"]}
+    said = re.findall(r"CP=(\d+) needs ([\d.]+) GiB", d["reasons"]["cp"])
+    said += [(str(d["cp"]), n) for n in re.findall(r"\(([\d.]+) GiB of", d["reasons"]["cp"])]
+    assert said
+    for cp, n in said:
+        assert gib[(d["tp"], 1, d["ep"], int(cp))] == n, (cp, n, d["reasons"]["cp"])
+    assert f"{d['peak_bytes'] / GiB:.1f} GiB of" in d["reasons"]["cp"]
+    # the table says the same numbers
+    assert main(args) == 0
+    text = capsys.readouterr().out.split("\ngrid: ")[1]
+    for (tp, pp, ep, cp), c in cells.items():
+        if c["peak_bytes"]:
+            line = next(ln for ln in text.splitlines()
+                        if ln.startswith(f"  TP{tp}·PP{pp}·EP{ep}·CP{cp} "))
+            assert f"{c['peak_bytes'] / GiB:.1f} GiB" in line, line

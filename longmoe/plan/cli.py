@@ -78,7 +78,7 @@ def resolve_model(name: str) -> ModelConfig:
     return get_preset(name)
 
 
-def make_plan(a) -> tuple[Plan, ModelConfig]:
+def make_plan(a) -> tuple[Plan, ModelConfig, Workload]:
     for flag, v, lo in (("--seq-len", a.seq_len, 1), ("--micro-batch", a.micro_batch, 1),
                         ("--ep-chunks", a.ep_chunks, 0)):
         if v < lo:
@@ -93,7 +93,7 @@ def make_plan(a) -> tuple[Plan, ModelConfig]:
                  ep_chunks=a.ep_chunks, grad_sync=getattr(a, "grad_sync", "micro_batch"))
     return plan(cfg, hw, a.gpus, w, model_name=a.model, tp=a.tp, headroom=a.headroom,
                 a=Assumptions(linear_core=a.linear_core), keep_last=keep,
-                keep_attention=getattr(a, "keep_attention", "auto")), cfg
+                keep_attention=getattr(a, "keep_attention", "auto")), cfg, w
 
 
 def _nonneg_int(v: str, flag: str) -> int:
@@ -115,9 +115,13 @@ def trainer_cannot_run(lay) -> str | None:
 
 
 def run(a) -> int:
-    p, cfg = make_plan(a)
-    cells = (grid(cfg, p.hardware, p.gpus, p.workload, headroom=a.headroom,
-                  a=Assumptions(linear_core=a.linear_core)) if a.explain else [])
+    p, cfg, w = make_plan(a)
+    # The grid judges every cell as the planner did (the request's workload and keep_attention
+    # mode), and the chosen cell is the plan's own estimate: one number per cell.
+    cells = (p.explain(grid(cfg, p.hardware, p.gpus, w, headroom=a.headroom,
+                            a=Assumptions(linear_core=a.linear_core),
+                            keep_attention=getattr(a, "keep_attention", "auto")))
+             if a.explain else [])
     cannot = trainer_cannot_run(p.layout)
     if a.format == "table":
         print(render_table(p))
@@ -259,7 +263,16 @@ def run_config_yaml(p: Plan, command: str, linear_core: str = "kernel") -> str:
     if nodes > 1:
         head.append(f"# {nodes} nodes: start one process per GPU with torchrun on each node; "
                     "train.nproc is the per-node count.")
-    return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
+    body = yaml.safe_dump(cfg, sort_keys=False)
+    # data.batch_size is global; say how it divides (YAML dumpers keep no comments).
+    split = "·".join([f"TP{lay.tp}"] * (lay.tp > 1) + [f"PP{lay.pp}"] * (lay.pp > 1)
+                     + [f"CP{lay.cp}"])
+    each = ("one sequence" if p.workload.micro_batch == 1
+            else f"{p.workload.micro_batch} sequences")
+    line = f"  batch_size: {cfg['data']['batch_size']}\n"
+    body = body.replace(line, f"{line[:-1]}       # global: {each} per data rank "
+                              f"({p.gpus} GPUs / {split})\n", 1)
+    return "\n".join(head) + "\n" + body
 
 
 def main(argv: list[str] | None = None) -> int:

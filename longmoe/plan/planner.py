@@ -20,7 +20,7 @@ from longmoe.config import ModelConfig
 from longmoe.errors import UserError
 from longmoe.plan.hardware import Hardware
 from longmoe.plan.memory import (GiB, Assumptions, Layout, MemoryBreakdown, Workload, ep_chunks_for,
-                                 estimate)
+                                 estimate, local_tokens)
 
 TP_GRID, PP_GRID, EP_GRID, CP_GRID = (1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8)
 LOCAL_WINDOW = (16384, 32768)      # the seeds' target local sequence per GPU
@@ -49,6 +49,13 @@ class Plan:
     ep_chunks: int
     keep_fits: int = 0              # trailing layers that could skip recompute within the budget
     num_layers: int = 0
+    cell: Cell | None = None        # the chosen layout judged with the plan's settings
+
+    def explain(self, cells: list[Cell]) -> list[Cell]:
+        """`cells` (a `grid` of this plan's request) with the chosen layout's cell replaced by
+        the plan's own, which also counts `keep_last`: one number per cell everywhere."""
+        return [self.cell if self.cell is not None and c.layout == self.layout else c
+                for c in cells]
 
     @property
     def local_seq(self) -> int:
@@ -100,25 +107,58 @@ def invalid_reason(cfg: ModelConfig, hw: Hardware, w: Workload, lay: Layout) -> 
     return None
 
 
+def cell_workload(cfg: ModelConfig, lay: Layout, w: Workload) -> Workload:
+    """The workload a cell is judged with: the EP chunk count the plan runs there (--ep-chunks,
+    else the tuning default for the cell's local tokens), at most one chunk per local expert
+    (the trainer chunks by expert range)."""
+    chunks = min(ep_chunks_for(w, local_tokens(lay, w)), max(1, cfg.num_experts // lay.ep))
+    return replace(w, ep_chunks=chunks)
+
+
 def judge(cfg: ModelConfig, hw: Hardware, w: Workload, lay: Layout, budget: int,
-          a: Assumptions = Assumptions()) -> Cell:
+          a: Assumptions = Assumptions(), keep_attention: str = "off") -> Cell:
+    """One cell, one estimate: the one the plan would run on this layout. `keep_attention`
+    "on" counts the attention kernels' tensors, "off" does not, "auto" counts them where the
+    estimate with them fits (so an OOM cell's number is the least it needs)."""
     why = invalid_reason(cfg, hw, w, lay)
     if why:
         return Cell(lay, "invalid", why)
+    w = replace(cell_workload(cfg, lay, w), keep_attention=False)
     m = estimate(cfg, lay, w, a)
+    if keep_attention != "off" and w.recompute == "full" and _attention_layers(cfg):
+        kept = estimate(cfg, lay, replace(w, keep_attention=True), a)
+        if keep_attention == "on" or kept.peak <= budget:
+            m = kept
+    return cell_of(lay, m, budget)
+
+
+def cell_of(lay: Layout, m: MemoryBreakdown, budget: int) -> Cell:
     if m.peak > budget:
         return Cell(lay, "OOM", f"needs {m.peak / GiB:.1f} GiB > budget {budget / GiB:.1f} GiB "
                                 f"(peak at {m.phase})", m)
     return Cell(lay, "fits", f"{m.peak / GiB:.1f} GiB of {budget / GiB:.1f} GiB", m)
 
 
+def _attention_layers(cfg: ModelConfig) -> int:
+    return sum(cfg.layer_type(i) == "full_attention" for i in range(cfg.num_layers))
+
+
 def grid(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, a: Assumptions = Assumptions(),
-         headroom: float = HEADROOM) -> list[Cell]:
-    """Every (TP, PP, EP, CP) of the seeds' 4-D grid whose product fits the GPU count."""
+         headroom: float = HEADROOM, keep_attention: bool | str = "off") -> list[Cell]:
+    """Every (TP, PP, EP, CP) of the seeds' 4-D grid whose product fits the GPU count, each
+    judged as the planner judges it (`judge`)."""
     b = budget_bytes(hw, a, headroom)
-    return [judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), b, a)
+    mode = _mode(keep_attention)
+    return [judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), b, a, mode)
             for pp in PP_GRID for ep in EP_GRID for tp in TP_GRID for cp in CP_GRID
             if tp * pp * cp <= gpus and ep * pp <= gpus]
+
+
+def _mode(keep_attention: bool | str) -> str:
+    mode = {True: "on", False: "off"}.get(keep_attention, keep_attention)
+    if mode not in ("on", "off", "auto"):
+        raise UserError(f"--keep-attention: expected on, off or auto, got {keep_attention!r}")
+    return mode
 
 
 def check_gpus(hw: Hardware, gpus: int):
@@ -150,10 +190,13 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
     """`keep_last`: trailing layers stored without recompute (an int), or "auto" for as many as
     the budget allows (chosen after the layout; the layout itself is planned without them).
     `keep_attention`: under full recompute, whether full-attention layers keep their kernel's
-    tensors (True/"on", False/"off", or "auto": on when the estimate still fits, decided after
-    the layout and before `keep_last`: an attention layer's kernel tensors cost ~1/5 of what a
-    layer kept without recompute does)."""
+    tensors (True/"on", False/"off", or "auto": on where the estimate still fits). Every cell
+    is judged with it (`judge`), so a layout is chosen for what it will run; "auto" falls back
+    to recomputing attention where the kernels' tensors do not fit, so it picks the layouts
+    "off" picks, and spends what is left before `keep_last` does (an attention layer's kernel
+    tensors cost ~1/5 of what a layer kept without recompute does)."""
     check_gpus(hw, gpus)
+    mode = _mode(keep_attention)
     budget = budget_bytes(hw, a, headroom)
     if budget <= 0:
         raise UserError(f"--hardware: {hw.key} leaves no memory after the "
@@ -179,9 +222,10 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
                  "local sequence"),
         "selective": "selective recompute: attention kept, the MoE recomputed",
         "none": "no recompute: every activation stored"}[w.recompute]
+    reasons["cp"] = ""      # said once the plan's own estimate is known (below)
 
     def try_(pp: int, cp: int) -> Cell:
-        return judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), budget, a)
+        return judge(cfg, hw, w, Layout(gpus, tp, pp, ep, cp), budget, a, mode)
 
     window = [cp for cp in CP_GRID if cp > 1
               and LOCAL_WINDOW[0] <= w.seq_len // (cp * tp) <= LOCAL_WINDOW[1]]
@@ -194,84 +238,86 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: int, w: Workload, *, model_name: 
                 return tried[-1]
         return None
 
-    one = first_fit(1, [1])
-    chosen = one
-    if one is not None:
-        reasons["cp"] = (f"CP=1: the whole {w.seq_len:,}-token sequence fits on one GPU "
-                         f"({one.why}); no CP, one fewer collective")
+    # why_cp(the chosen cell's why): the chosen layout's reason, told with the plan's estimate
+    chosen = first_fit(1, [1])
+    if chosen is not None:
+        def why_cp(why):
+            return (f"CP=1: the whole {w.seq_len:,}-token sequence fits on one GPU ({why}); "
+                    "no CP, one fewer collective")
     else:
         chosen = first_fit(1, window)
         if chosen is not None:
-            cp = chosen.layout.cp
-            reasons["cp"] = (f"CP={cp}: CP=1 {tried[0].why}; CP={cp} puts "
-                             f"{w.seq_len // (cp * tp):,} tokens on each GPU, inside the "
-                             f"16K-32K window ({chosen.why})")
+            def why_cp(why, cp=chosen.layout.cp, one=tried[0].why):
+                return (f"CP={cp}: CP=1 {one}; CP={cp} puts {w.seq_len // (cp * tp):,} tokens "
+                        f"on each GPU, inside the 16K-32K window ({why})")
     if chosen is None:
         pp1 = [c for c in tried if c.memory is not None]
         chosen = first_fit(2, [1] + window)
         if chosen is not None:
-            reasons["cp"] = f"CP={chosen.layout.cp}: with PP=2, {chosen.why}"
+            def why_cp(why, cp=chosen.layout.cp):
+                return f"CP={cp}: with PP=2, {why}"
             closest = min(pp1, key=lambda c: c.memory.peak) if pp1 else None
             reasons["pp"] = ("PP=2: no CP of the 16K-32K window fits at PP=1"
                              + (f" (best {closest.layout.label} {closest.why})" if closest else ""))
     if chosen is None:
-        fits = [c for c in grid(cfg, hw, gpus, w, a, headroom)
+        fits = [c for c in grid(cfg, hw, gpus, w, a, headroom, mode)
                 if c.verdict == "fits" and c.layout.tp == tp]
         if fits:
             chosen = min(fits, key=lambda c: (round(c.memory.peak / GiB, 1), c.layout.ep != ep,
                                               c.layout.pp, c.layout.cp))
             lay = chosen.layout
-            reasons["cp"] = (f"CP={lay.cp}: nothing in the seeds' order fits; this is the "
-                             f"smallest-peak layout of the grid ({chosen.why})")
+
+            def why_cp(why, cp=lay.cp):
+                return (f"CP={cp}: nothing in the seeds' order fits; this is the "
+                        f"smallest-peak layout of the grid ({why})")
             if lay.pp > 1:
                 reasons["pp"] = f"PP={lay.pp}: part of that fallback layout"
             if lay.ep != ep:
                 reasons["ep"] = f"EP={lay.ep}: part of that fallback layout"
     if chosen is None:
         raise UserError(_no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom,
-                                        _suggest))
+                                        mode, _suggest))
+    lay = chosen.layout
     reasons.setdefault("pp", "PP=1: the estimate fits without pipeline stages (no bubble)")
-    share = chosen.layout.cp * chosen.layout.tp
+    share = lay.cp * lay.tp
     reasons["budget"] = (f"{w.tokens_per_micro_batch:,} tokens per micro-batch "
                          f"(data.max_tokens_per_micro_batch): {w.tokens_per_micro_batch // share:,}"
                          f" on each of the {share} GPU(s) sharing a row; the estimate depends on "
                          f"the tokens, not on how samples fill them")
-    m = chosen.memory
-    chunks = ep_chunks_for(w, m.local_tokens)
+    tokens = local_tokens(lay, w)
+    chunks, asked = cell_workload(cfg, lay, w).ep_chunks, ep_chunks_for(w, tokens)
     reasons["ep_chunks"] = (f"{chunks} EP chunk(s): " + (
         "set by --ep-chunks" if w.ep_chunks else
-        f"longmoe.tuning default for {m.local_tokens:,} local tokens (one chunk's all-to-all "
+        f"longmoe.tuning default for {tokens:,} local tokens (one chunk's all-to-all "
         "hides under another's expert GEMMs)"))
-    local = cfg.num_experts // chosen.layout.ep
-    if chunks > local:  # the trainer chunks by expert range: at most one chunk per local expert
-        chunks = local
-        reasons["ep_chunks"] += f"; capped at the {local} local expert(s) per rank"
+    if chunks < asked:  # the trainer chunks by expert range: at most one chunk per local expert
+        reasons["ep_chunks"] += f"; capped at the {chunks} local expert(s) per rank"
     w = replace(w, ep_chunks=chunks)
-    w = _keep_attention(cfg, chosen.layout, w, budget, a, keep_attention, reasons)
-    fits = keep_last_fits(cfg, chosen.layout, w, budget, a)
+    w = _keep_attention(cfg, lay, w, budget, a, mode, reasons)
+    fits = keep_last_fits(cfg, lay, w, budget, a)
     keep = fits if keep_last == "auto" else int(keep_last)
     if keep:
         if keep > fits:
-            need = estimate(cfg, chosen.layout, replace(w, keep_last=keep), a).peak
+            need = estimate(cfg, lay, replace(w, keep_last=keep), a).peak
             raise UserError(f"--keep-last: {keep} layers without recompute need "
-                            f"{need / GiB:.1f} GiB on {chosen.layout.label}, over the "
+                            f"{need / GiB:.1f} GiB on {lay.label}, over the "
                             f"{budget / GiB:.1f} GiB budget; at most {fits} fit")
         w = replace(w, keep_last=keep)
         reasons["recompute"] = (f"{w.recompute} recompute on layers 0-{cfg.num_layers - keep - 1}; "
                                 f"the last {keep} keep their activations (their backward runs "
                                 f"first, freeing them before any recompute), saving their "
                                 f"recomputed forward: {keep} of {cfg.num_layers} layers")
-    reasons["grad_sync"] = _grad_sync_reason(cfg, chosen.layout, w, budget, a)
-    return Plan(model_name, hw, gpus, w, chosen.layout, estimate(cfg, chosen.layout, w, a),
-                budget, reasons, chunks, fits, cfg.num_layers)
+    reasons["grad_sync"] = _grad_sync_reason(cfg, lay, w, budget, a)
+    cell = cell_of(lay, estimate(cfg, lay, w, a), budget)
+    reasons["cp"] = why_cp(cell.why)
+    return Plan(model_name, hw, gpus, w, lay, cell.memory, budget, reasons, chunks, fits,
+                cfg.num_layers, cell)
 
 
 def _keep_attention(cfg: ModelConfig, lay: Layout, w: Workload, budget: int, a: Assumptions,
                     want: bool | str, reasons: dict) -> Workload:
-    want = {True: "on", False: "off"}.get(want, want)
-    if want not in ("on", "off", "auto"):
-        raise UserError(f"--keep-attention: expected on, off or auto, got {want!r}")
-    n_attn = sum(cfg.layer_type(i) == "full_attention" for i in range(cfg.num_layers))
+    want = _mode(want)
+    n_attn = _attention_layers(cfg)
     if want == "off" or w.recompute != "full" or not n_attn:
         if want == "on":
             raise UserError(f"--keep-attention: needs full recompute and full-attention layers "
@@ -311,10 +357,11 @@ def _grad_sync_reason(cfg: ModelConfig, lay: Layout, w: Workload, budget: int,
             f"micro-batches (per micro-batch: {alt / GiB:.1f} GiB)")
 
 
-def _no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom, suggest) -> str:
+def _no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom, mode, suggest) -> str:
     judged = [c for c in tried if c.memory is not None]
     best = min(judged, key=lambda c: c.memory.peak) if judged else None
-    what = f"{model_name or 'the model'} at {w.seq_len:,} tokens"
+    what = f"{model_name or 'the model'} at {w.seq_len:,} tokens" + (
+        " with the attention kernels' tensors kept (--keep-attention on)" if mode == "on" else "")
     msg = f"{what} does not fit on {gpus} x {hw.key} at any layout"
     if best is not None:
         msg += (f" (closest: {best.layout.label} needs {best.memory.peak / GiB:.1f} GiB of a "
@@ -332,7 +379,7 @@ def _no_fit_message(cfg, hw, gpus, w, tried, model_name, tp, a, headroom, sugges
                 continue
             try:
                 p = plan(cfg, hw, more, w, model_name=model_name, tp=tp, a=a,
-                         headroom=headroom, _suggest=False)
+                         headroom=headroom, keep_attention=mode, _suggest=False)
             except UserError:
                 continue
             return msg + (f"; {more} GPUs fit ({p.layout.label}, "
