@@ -161,6 +161,8 @@ def from_dict(d: dict[str, Any], prefix: str = "model") -> ModelConfig:
         raise ConfigError(prefix, f"expected a mapping, got {type(d).__name__}")
     d = dict(d)
     preset = d.pop("preset", None)
+    if preset is not None and not isinstance(preset, str):
+        raise ConfigError(f"{prefix}.preset", f"expected a preset name, got {preset!r}")
     num_layers = d.pop("num_layers", None)
     base = dataclasses.asdict(get_preset(preset)) if preset else {}
     known = {f.name: f for f in fields(ModelConfig)}
@@ -299,6 +301,8 @@ def model_config_from(section: dict[str, Any] | None) -> ModelConfig:
     """The `model:` section of a run config: a preset, an hf_config path, or explicit fields."""
     section = dict(section or {"preset": "tiny"})
     hf = section.pop("hf_config", None)
+    if hf is not None and not isinstance(hf, str):
+        raise ConfigError("model.hf_config", f"expected a path to a config.json, got {hf!r}")
     if hf is not None:
         n = section.pop("num_layers", None)
         cfg = from_hf_config(hf, n)

@@ -323,7 +323,7 @@ def test_run_config_errors_name_field(tmp_path, text, field):
 # Through --set as a user types them: YAML reads .nan/.inf as floats, and 1e999 overflows.
 @pytest.mark.parametrize("override,field", [
     ("optim.lr=.nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"), ("optim.lr=1e999", "optim.lr"),
-    ("optim.lr=-1e-3", "optim.lr"), ("optim.lr=0", "optim.lr"),
+    ("optim.lr=-1e-3", "optim.lr"), ("optim.lr=-.inf", "optim.lr"),
     ("loss.clip_low=.nan", "loss.clip_low"), ("loss.clip_low=-0.1", "loss.clip_low"),
     ("loss.clip_high=.nan", "loss.clip_high"), ("loss.clip_high=-0.5", "loss.clip_high"),
     ("loss.entropy_coef=.inf", "loss.entropy_coef"),

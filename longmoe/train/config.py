@@ -292,7 +292,9 @@ class OptimConfig:
     def __post_init__(self):
         if self.impl not in ("auto", "foreach", "fused", "loop"):
             raise ConfigError("optim.impl", f"must be auto, foreach, fused or loop, got {self.impl!r}")
-        _finite("optim.lr", self.lr, 0.0, strict=True)
+        # 0 is a valid rate: the control run that measures the rollout/trainer mismatch with
+        # the policy held still (AdamW's step and its decoupled decay lr*wd are then 0).
+        _finite("optim.lr", self.lr, 0.0)
         _finite("optim.eps", self.eps, 0.0, strict=True)
         _finite("optim.weight_decay", self.weight_decay, 0.0)
         _finite("optim.grad_clip", self.grad_clip, 0.0)
@@ -372,6 +374,8 @@ def _section(cls, raw: Any, name: str):
             continue
         if want == "str" and not isinstance(v, str):
             raise ConfigError(f"{name}.{k}", f"expected a string, got {v!r}")
+        if want.startswith("tuple") and not isinstance(v, (list, tuple)):
+            raise ConfigError(f"{name}.{k}", f"expected a list, got {what_it_holds(v)}")
     # A whole number for a float field (`--set optim.lr=1`) is stored as the float it means.
     raw = {k: float(v) if known[k].type == "float" else v for k, v in raw.items()}
     if "betas" in raw:
@@ -381,13 +385,33 @@ def _section(cls, raw: Any, name: str):
     return cls(**raw)
 
 
+def what_it_holds(value) -> str:
+    """A YAML value's kind, for messages about a value of the wrong shape."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return f"a list ({len(value)} item{'s' if len(value) != 1 else ''})"
+    if isinstance(value, bool):
+        return f"a bool ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    text = str(value)
+    kind = "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+    return f"{kind} ({text[:40]!r}{'...' if len(text) > 40 else ''})"
+
+
 def from_dict(raw: dict) -> RunConfig:
     if not isinstance(raw, dict):
-        raise ConfigError("config", "top level must be a mapping")
+        raise ConfigError("config", f"top level must be a mapping of sections, got "
+                                    f"{what_it_holds(raw)}")
     for k in raw:
         if k != "model" and k not in _SECTIONS:
             raise ConfigError(k, f"unknown section; valid: model, {', '.join(_SECTIONS)}")
     parts = {k: _section(cls, raw.get(k), k) for k, cls in _SECTIONS.items()}
+    if raw.get("model") is not None and not isinstance(raw["model"], dict):
+        raise ConfigError("model", f"expected a mapping, got {what_it_holds(raw['model'])}")
     model = model_config_from(raw.get("model"))
     rc = parts["parallel"].recompute
     if not isinstance(rc, str) and len(rc) != model.num_layers:
@@ -403,12 +427,25 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError("--set", f"expected dotted.key=value, got {item!r}")
         key, val = item.split("=", 1)
-        parts = key.strip().split(".")
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError("--set", f"{item!r}: expected dotted.key=value")
         node = raw
-        for p in parts[:-1]:
-            node[p] = dict(node.get(p) or {})
+        for i, p in enumerate(parts[:-1]):
+            here = node.get(p)
+            if here is not None and not isinstance(here, dict):
+                raise ConfigError("--set", f"{item!r}: {'.'.join(parts[:i + 1])} holds "
+                                           f"{what_it_holds(here)}, not a mapping")
+            node[p] = dict(here or {})
             node = node[p]
-        node[parts[-1]] = _parse_value(val)
+        value = _parse_value(val)
+        if len(parts) == 1 and value is not None and not isinstance(value, dict):
+            # A whole section replaced by a scalar or a list: the run would fail later with
+            # a message that does not name the --set that caused it.
+            raise ConfigError("--set", f"{item!r}: {key} is a section and takes a mapping "
+                                       f"({key}.field=value), got {what_it_holds(value)}")
+        node[parts[-1]] = value
     return raw
 
 
@@ -439,9 +476,19 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> Run
     if path:
         p = resolve_config_path(path)
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
             raise ConfigError("--config", f"{p}{where}: not valid YAML") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("--config", f"{p}: cannot be read ({e})") from None
+        # An empty or truncated file would train the defaults: another experiment, silently.
+        if raw is None:
+            raise ConfigError("--config", f"{p}: holds no settings (empty or only comments); "
+                                          f"a run of the defaults is a file with {{}}")
+        if not isinstance(raw, dict):
+            raise ConfigError("--config", f"{p}: the top level holds {what_it_holds(raw)}, "
+                                          f"expected a mapping of sections (model, "
+                                          f"{', '.join(_SECTIONS)})")
     return from_dict(apply_overrides(raw, overrides or []))
