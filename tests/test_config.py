@@ -366,6 +366,29 @@ def test_overrides(tmp_path):
         load_run_config(None, ["parallel.ep"])
 
 
+def test_whole_numbers_for_float_fields_are_stored_as_floats():
+    """`--set model.router_aux_loss_coef=0` arrives as an int; a config.json written from it
+    failed transformers' strict float check. Every float field of the model and the run sections
+    keeps its declared type; a bool is not taken for a number, nor a number for a bool."""
+    from dataclasses import fields
+    rc = load_run_config("cpu_demo", ["model.router_aux_loss_coef=0", "model.rms_norm_eps=1",
+                                      "model.rope_theta=10000", "model.init_std=1",
+                                      "optim.lr=1", "loss.clip_low=0", "optim.grad_clip=2"])
+    for section in (rc.model, rc.optim, rc.loss):
+        for f in fields(section):
+            if f.type == "float":
+                assert type(getattr(section, f.name)) is float, f.name
+    assert (rc.model.router_aux_loss_coef, rc.model.rms_norm_eps, rc.optim.lr) == (0.0, 1.0, 1.0)
+    assert type(ModelConfig(rms_norm_eps=1, partial_rotary_factor=1).rms_norm_eps) is float
+    for bad, field in (("model.rms_norm_eps=true", "model.rms_norm_eps"),
+                       ("model.router_aux_loss_coef=false", "model.router_aux_loss_coef"),
+                       ("model.qk_norm=1", "model.qk_norm"), ("model.rope_theta=big",
+                                                              "model.rope_theta")):
+        with pytest.raises(ConfigError) as ei:
+            load_run_config("cpu_demo", [bad])
+        assert ei.value.field == field and "\n" not in str(ei.value)
+
+
 def test_apply_overrides_does_not_mutate_input():
     raw = {"model": {"preset": "tiny"}, "optim": {"lr": 0.1}}
     out = apply_overrides(raw, ["optim.lr=2e-5", "model.preset=qwen3-30b-a3b", "a.b.c=7"])

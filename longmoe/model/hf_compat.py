@@ -39,8 +39,8 @@ ARCHITECTURE = {QWEN3: "Qwen3MoeForCausalLM", QWEN35: "Qwen3_5MoeForCausalLM"}
 
 # Our parameters that are RMSNorm weights with the model.norm_unit_offset convention (the Gated
 # DeltaNet's gated norm, layers.i.attn.norm.weight, is plain w in both implementations).
-_OFFSET_NORM = re.compile(r"(layers\.\d+\.(attn_norm|moe_norm|attn\.q_norm|attn\.k_norm)|head\.norm)"
-                          r"\.weight")
+_OFFSET_NORM = re.compile(r"(layers\.\d+\.(attn_norm|moe_norm|attn\.q_norm|attn\.k_norm)"
+                          r"|head\.norm)\.weight")
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,8 @@ def check_receiver(conf, expected: dict, cfg, what: str):
             got = list(got) if got is not None else None
         if got != want:
             ours = _OURS.get(key.split(".")[-1])
-            source = f"model.{ours} is {getattr(cfg, ours)!r}" if ours else f"longmoe computes {want!r}"
+            source = (f"model.{ours} is {getattr(cfg, ours)!r}" if ours
+                      else f"longmoe computes {want!r}")
             raise UserError(f"{what}: the receiver's config has {key}={got!r}; {source}")
 
 

@@ -148,9 +148,8 @@ def load_into_hf_model(hf_model, buckets, run_or_model_cfg) -> int:
     model has them. A config value, a name the model does not have, a shape that differs, or a
     parameter left unfilled raises one UserError naming it; all but the last are checked before
     a tensor is copied."""
-    what = "load_into_hf_model"
-    check_receiver(getattr(hf_model, "config", None), hf_config(run_or_model_cfg), run_or_model_cfg,
-                   what)
+    check_receiver(getattr(hf_model, "config", None), hf_config(run_or_model_cfg),
+                   run_or_model_cfg, "load_into_hf_model")
     params = dict(hf_model.named_parameters())
     filled: dict[str, torch.Tensor] = {}  # per fused parameter: which (expert, row) were written
     seen, n = set(), 0
