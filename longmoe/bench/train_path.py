@@ -19,11 +19,11 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from longmoe.bench import write_json_and_table
+from longmoe.child import child_env, longmoe_command
 
 STAGES = [
     ("baseline", {"parallel.recompute": "selective", "impl.linear_ce": "reference",
@@ -36,14 +36,14 @@ STAGES = [
 
 def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, timeout: int,
          profile: str | None = None):
-    cmd = [sys.executable, "-m", "longmoe", "train", "--config", config, "--nproc", str(nproc),
-           "--steps", str(steps), "--metrics-out", str(metrics)]
+    cmd = longmoe_command("train", "--config", config, "--nproc", str(nproc),
+                          "--steps", str(steps), "--metrics-out", str(metrics))
     if profile:
         cmd += ["--profile", profile]
     for k, v in overrides.items():
         cmd += ["--set", f"{k}={v}"]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
     except subprocess.TimeoutExpired as e:  # keep what the run printed and the steps it finished
         rows = _rows(metrics)
         return {"status": "timeout", "cmd": " ".join(cmd[2:]), "steps_done": len(rows),
