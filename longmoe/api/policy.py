@@ -33,6 +33,7 @@ from longmoe.model.flops import balance_crossover
 from longmoe.parallel.mesh import build_layout, validate_layout
 from longmoe.rl.logprobs import compute_logprobs as forward_logprobs
 from longmoe.train import checkpoint as ckpt
+from longmoe.train import ckpt_dir
 from longmoe.train.config import RunConfig, load_run_config
 from longmoe.train.feed import StepData, check_budget_settings
 from longmoe.train.precision import MasterWeights
@@ -111,6 +112,7 @@ class PolicyTrainer:
             self.crossover = 1e300  # no full attention: cost is tokens alone
         self.step = 0
         self.bad_steps = 0
+        self._dirs = {}       # checkpoint directory -> its lock (ckpt_dir.DirLock), from a save
         self._reset_pending()
 
     @classmethod
@@ -355,10 +357,43 @@ class PolicyTrainer:
     def save(self, directory) -> str:
         """A DCP checkpoint of weights, AdamW state and generator states at DIR/step-N (N =
         self.step), published atomically (longmoe.train.checkpoint). Gradients of pending
-        forward_backward calls are not saved. Returns the step directory."""
+        forward_backward calls are not saved. From its first save into DIR on, this trainer
+        holds DIR's lock (the one `longmoe train --checkpoint-dir` takes) until it is closed or
+        the process ends: another run's save into DIR is refused. Returns the step directory."""
         self._finite_or_stop("save")
+        self._own(directory)
         return str(ckpt.save(directory, self.step, self.model, self.optim, self.backend,
                              self.run, self._identity()))
+
+    def _own(self, directory) -> None:
+        """Rank 0 claims DIR's lock on the first save into it (and, as the directory's only
+        writer, removes the leftovers of saves that died); every rank gets its verdict."""
+        key = os.path.realpath(directory)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        error = None
+        if rank == 0 and key not in self._dirs:
+            try:
+                lock = ckpt_dir.claim(directory, "save")
+                if not lock.shared:
+                    ckpt_dir.remove_stale_tmp(lock.root)
+                self._dirs[key] = lock
+            except UserError as e:
+                error = e
+        if self.layout.world > 1:
+            flag = torch.tensor([int(error is not None)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if bool(flag.item()) and error is None:
+                error = UserError(f"save: {directory} is in use by another run (rank 0 could "
+                                  f"not take its lock)")
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Give up the checkpoint directories' locks this trainer holds (also done when the
+        process ends)."""
+        for lock in self._dirs.values():
+            lock.release()
+        self._dirs.clear()
 
     def load(self, directory) -> str:
         """Load the checkpoint DIR/latest names, after verifying every file against its manifest

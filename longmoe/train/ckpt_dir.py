@@ -1,9 +1,13 @@
 """A checkpoint directory and who owns it.
 
-DIR/.lock is held (fcntl.flock, exclusive) by the launching process for the whole run, so two
-runs never write one directory; the kernel drops the lock when its holder dies, even by SIGKILL,
-and the file then only records who held it last. Holding the lock makes a run the directory's
-only writer, which is what lets it remove the temporary leftovers of runs that died mid-save.
+DIR/.lock is held (fcntl.flock, exclusive) by the launching process for the whole run (by
+PolicyTrainer from its first save into DIR on), so two runs never write one directory; the
+kernel drops the lock when its holder dies, even by SIGKILL, and the file then only records who
+held it last. Holding the lock makes a run the directory's only writer, which is what lets it
+remove the temporary leftovers of runs that died mid-save. A process that already holds a
+directory's lock claims it again without waiting (a PolicyTrainer saving inside a one-process
+`longmoe train`): a flock belongs to an open file, so a second open by the same process would
+otherwise be refused by its own lock.
 
 DIR/latest names the newest published step directory; names of the form `*.tmp-*` are never
 published (a save in progress, or one that died). One exception: while a save replaces a step
@@ -35,32 +39,50 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-class DirLock:
-    """The exclusive lock on DIR/.lock, released by release() or when the process ends."""
+# This process's locks: (pid, resolved DIR) -> [descriptor, claims]. The pid keeps a forked
+# child from taking its parent's entry for its own.
+_HELD: dict[tuple[int, str], list[int]] = {}
 
-    def __init__(self, root: Path):
-        self.root, self._fd = root, None
+
+class DirLock:
+    """A claim of the exclusive lock on DIR/.lock, given up by release() or when the process
+    ends; the lock is dropped when this process's last claim on DIR is given up. `shared`: the
+    process held it already (not the directory's only writer right now: leave its files)."""
+
+    def __init__(self, root: Path, what: str = "--checkpoint-dir"):
+        self.root, self._key, self.shared = root, None, False
+        key = (os.getpid(), os.path.realpath(root))
+        if key in _HELD:
+            _HELD[key][1] += 1
+            self._key, self.shared = key, True
+            return
         path = root / LOCK
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UserError(f"--checkpoint-dir: {root} is not writable ({e.strerror})") from None
+            raise UserError(f"{what}: {root} is not writable ({e.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise UserError(f"--checkpoint-dir: {root} is in use by another run ({holder}); "
+            raise UserError(f"{what}: {root} is in use by another run ({holder}); "
                             f"a checkpoint directory belongs to one run at a time") from None
-        self._fd = fd
+        _HELD[key] = [fd, 1]
+        self._key = key
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
 
     def release(self):
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
-            self._fd = None
+        key, self._key = self._key, None
+        if key is None or key not in _HELD:
+            return
+        held = _HELD[key]
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[key]
+            os.close(held[0])  # closing the last descriptor drops the flock
 
     def __del__(self):
         self.release()
@@ -74,18 +96,19 @@ def _holder(fd: int) -> str:
         return "holder not recorded yet"
 
 
-def claim(ckpt_dir: str | Path) -> DirLock:
-    """The directory exists (created if need be), is a writable directory, and is ours."""
+def claim(ckpt_dir: str | Path, what: str = "--checkpoint-dir") -> DirLock:
+    """The directory exists (created if need be), is a writable directory, and is ours. `what`
+    names the setting or call in errors."""
     root = Path(ckpt_dir)
     if root.exists() and not root.is_dir():
-        raise UserError(f"--checkpoint-dir: {root} exists and is not a directory")
+        raise UserError(f"{what}: {root} exists and is not a directory")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"--checkpoint-dir: cannot create {root} ({e.strerror})") from None
+        raise UserError(f"{what}: cannot create {root} ({e.strerror})") from None
     if not os.access(root, os.W_OK | os.X_OK):
-        raise UserError(f"--checkpoint-dir: {root} is not writable")
-    return DirLock(root)
+        raise UserError(f"{what}: {root} is not writable")
+    return DirLock(root, what)
 
 
 def is_step_dir_name(name: str) -> bool:

@@ -129,7 +129,8 @@ def claim_checkpoint_dir(run: RunConfig, opts: RunOptions, world: int):
                             f"{held}); pass --resume to continue from them, or --overwrite to "
                             f"train from step 0 and replace them")
         check_resume(run, opts, world)
-        ckpt_dir.remove_stale_tmp(lock.root)
+        if not lock.shared:   # this process's own earlier claim may be mid-save
+            ckpt_dir.remove_stale_tmp(lock.root)
     except BaseException:
         lock.release()
         raise
