@@ -1,0 +1,76 @@
+"""verl's no-padding micro-batches as longmoe packed rows, and per-token results back.
+
+verl (verl.workers.utils.padding.left_right_2_no_padding) hands an engine each sequence as one
+row of a jagged nested tensor: `input_ids` [bsz, j] (prompt then response, padding removed),
+`position_ids` [bsz, j] (0..len-1 for a text model). Its losses read the model output in the same
+layout: `log_probs[i][t]` is log p(input_ids[i][t+1]) (verl.workers.utils.padding.
+no_padding_2_padding takes the response's log-probs at t = prompt_len-1 .. len-2).
+
+Each sequence becomes a longmoe Sample whose "prompt" is its first token and whose "response" is
+the rest, so every next token of the sequence is labelled; the samples are packed end to end in
+one row (longmoe.data.packing.pack_rows: sample ids and positions restart per sequence, so
+attention and Gated DeltaNet never cross a boundary). The packed row's per-token results are
+then verl's layout directly: the sequences sit in order from offset 0, and each sequence's last
+position (nothing to predict inside it) holds 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longmoe.data.sample import Sample
+from longmoe.errors import UserError
+
+
+def sequences(micro_batch) -> tuple[torch.Tensor, list[int]]:
+    """(token values [total] int64 on the host, offsets [bsz + 1]) of a micro-batch's nested
+    input_ids, after checking that its positions are the plain 0..len-1 of each sequence."""
+    ids = micro_batch["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise UserError("longmoe engine: input_ids must be verl's no-padding nested tensor "
+                        "(left_right_2_no_padding); got a padded tensor")
+    offsets = ids.offsets().tolist()
+    values = ids.values().detach().cpu().long()
+    pos = micro_batch.get("position_ids", None)
+    if pos is not None:
+        if pos.dim() != 2:
+            raise UserError(f"longmoe engine: position_ids must be one position per token "
+                            f"(text models); got {pos.dim()}-D positions (multimodal RoPE is "
+                            f"not supported)")
+        have = pos.values().detach().cpu().long()
+        want = torch.cat([torch.arange(b - a) for a, b in zip(offsets, offsets[1:])])
+        if have.shape != want.shape or not torch.equal(have, want):
+            raise UserError("longmoe engine: position_ids must restart at 0 and count up by one "
+                            "within each sequence (longmoe derives positions from sample "
+                            "boundaries)")
+    for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
+        if b - a < 2:
+            raise UserError(f"longmoe engine: sequence {i} of the micro-batch has {b - a} "
+                            f"token(s); a sequence needs a prompt token and a response token")
+    return values, offsets
+
+
+def to_samples(values: torch.Tensor, offsets: list[int]) -> list[Sample]:
+    """One sample per sequence, every next token labelled (see the module docstring)."""
+    return [Sample(values[a:a + 1], values[a + 1:b], advantage=0.0, index=i,
+                   where=f"micro-batch sequence {i}")
+            for i, (a, b) in enumerate(zip(offsets, offsets[1:]))]
+
+
+def check_temperature(micro_batch) -> None:
+    """longmoe's LM head computes log p at temperature 1 (no [tokens, vocab] logits to scale)."""
+    if "temperature" not in micro_batch.keys():
+        return
+    t = micro_batch["temperature"]  # a float (non-tensor data) or one per sequence
+    t = torch.as_tensor(t.values() if getattr(t, "is_nested", False) else t, dtype=torch.float64)
+    if t.numel() and not bool((t == 1.0).all()):
+        raise UserError(f"longmoe engine: temperature must be 1.0 (rollout.temperature); got "
+                        f"{sorted(set(t.flatten().tolist()))[:4]}")
+
+
+def to_nested(row_values: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """A packed row's per-token values [>= total] as verl's jagged [bsz, j] nested tensor
+    (autograd flows through it)."""
+    total = offsets[-1]
+    off = torch.tensor(offsets, dtype=torch.long, device=row_values.device)
+    return torch.nested.nested_tensor_from_jagged(row_values[:total].contiguous(), off)

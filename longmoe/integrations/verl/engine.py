@@ -1,0 +1,262 @@
+"""LongMoEEngine: verl's training-engine interface (verl.workers.engine.base.BaseEngine) over
+longmoe's PolicyTrainer, registered as backend "longmoe" for language models.
+
+What verl calls, and what runs:
+  initialize              PolicyTrainer(run config from LongMoEEngineConfig, verl's model path
+                          and optimizer settings; config.run_config)
+  forward_backward_batch  verl's token-budget micro-batches (prepare_micro_batches from
+                          max_token_len_per_gpu, the same count on every data rank); each one
+                          packed end to end into one longmoe row with exact sample boundaries
+                          (batch.py), our model's per-token log-probs (and entropy) with their
+                          gradients, verl's `loss_function` applied to them in verl's layout,
+                          backward; outputs restored to verl's order (postprocess_batch_func)
+  optimizer_step          PolicyTrainer.optim_step: clip, AdamW, longmoe's schedule; the norm
+  get_per_tensor_param    PolicyTrainer.named_weights_for_rollout: HF names, full tensors
+  save/load_checkpoint    PolicyTrainer.save / load (DCP, verified manifest)
+
+verl's loss is computed outside our LM head, so the fused linear-CE policy loss is not used on
+this path: the head returns log-probs with their gradient and verl's loss runs on them. The MoE
+balance loss is added as PolicyTrainer.forward_backward adds it (its mean over micro-batches).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.fsdp import FSDPModule
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+
+from longmoe.api import PolicyTrainer
+from longmoe.data.packing import pack_rows
+from longmoe.errors import ConfigError, UserError
+from longmoe.integrations.verl.batch import (check_temperature, sequences, to_nested,
+                                             to_samples)
+from longmoe.integrations.verl.config import run_config
+from longmoe.train.feed import min_row, pad_multiple
+from longmoe.train.setup import loss_scale
+from longmoe.train.step import local_micro_batch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+BUCKET_BYTES = 512 << 20
+
+
+class _ModeCtx(BaseEngineCtx):
+    """verl's offload/reload around a mode, plus the module's train/eval flag."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.engine.trainer.model.train(self.mode == "train")
+
+
+@EngineRegistry.register(model_type="language_model", backend="longmoe", device=["cuda", "cpu"])
+class LongMoEEngine(BaseEngine):
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        super().__init__()
+        if getattr(engine_config, "strategy", None) != "longmoe":
+            raise ConfigError("engine.strategy", "the longmoe engine needs strategy=longmoe")
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.optimizer_config = optimizer_config
+        self.checkpoint_config = checkpoint_config
+        self.mode = None
+        self.trainer: PolicyTrainer | None = None
+        self.last_step: dict | None = None
+        # Built here, host only: verl asks for the data-parallel rank before initialize.
+        self.run = run_config(engine_config, model_config, optimizer_config)
+        if self.run.parallel.cp > 1:
+            # The per-token log-probs verl's loss reads are whole rows; under CP each rank holds
+            # a zigzag slice, and gathering them would cut the gradient.
+            raise ConfigError("parallel.cp", "context parallelism is not supported under verl's "
+                                             "loss functions yet; use parallel.cp=1")
+
+    # ---- setup and modes -----------------------------------------------------------------------
+
+    def initialize(self):
+        self.trainer = PolicyTrainer(self.run)
+        if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
+            self.to("cpu", model=self.is_param_offload_enabled,
+                    optimizer=self.is_optimizer_offload_enabled,
+                    grad=self.is_param_offload_enabled)
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return bool(self.engine_config.param_offload)
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return bool(self.engine_config.optimizer_offload)
+
+    def train_mode(self, **kwargs):
+        return _ModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return _ModeCtx(self, "eval", **kwargs)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """Offload to the host ("cpu") or reload to the trainer's device (verl's device name)."""
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        pt = self.trainer
+        target = torch.device("cpu") if device == "cpu" else pt.device
+        if model:
+            pt.model.to(target)
+            if pt.master is not None:  # fp32 masters beside low-precision parameters
+                for p in pt.master.parameters():
+                    p.data = p.data.to(target)
+        if optimizer:
+            for state in pt.optim.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v) and k != "step":
+                        state[k] = v.to(target)
+
+    # ---- data-parallel queries -----------------------------------------------------------------
+
+    # parallel.cp is 1 (see __init__): every rank is a data rank and holds outputs.
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def get_data_parallel_size(self):
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def get_data_parallel_group(self):
+        return dist.group.WORLD if dist.is_initialized() else None
+
+    def is_mp_src_rank_with_outputs(self):
+        return True
+
+    # ---- forward / backward --------------------------------------------------------------------
+
+    def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
+        pt, layout = self.trainer, self.trainer.layout
+        group = self.get_data_parallel_group()
+        mask = data["loss_mask"]
+        n = (mask.values() if mask.is_nested else mask).sum().to(torch.float64).to(pt.device)
+        if dist.is_initialized():
+            dist.all_reduce(n, group=group)
+        dp_size = self.get_data_parallel_size()
+        tu.assign_non_tensor(data, batch_num_tokens=int(n.item()), dp_size=dp_size)
+        micro, indices = prepare_micro_batches(data=data, dp_group=group,
+                                               same_micro_num_in_dp=True)
+        keep_outputs = forward_only or tu.get_non_tensor_data(data, "return_model_output", False)
+        M = len(micro)
+        model = pt.model
+        sync = (not forward_only and isinstance(model, FSDPModule) and M > 1 and layout.world > 1
+                and pt.run.parallel.grad_sync == "step")
+        loads = [torch.zeros_like(m.router.last_load) for m in model.moe_layers()]
+        outputs, total = [], None
+        try:
+            for j, mb in enumerate(micro):
+                if sync:
+                    model.set_requires_gradient_sync(j == M - 1)
+                with torch.no_grad() if forward_only else nullcontext():
+                    loss, aux, out = self._micro_step(mb, loss_function, forward_only, group)
+                    if not forward_only:
+                        # verl's loss carries dp_size (gradients are averaged over data ranks);
+                        # longmoe's scale is the world size (averaged over every rank).
+                        scale = loss_scale(layout)
+                        (loss * (scale / dp_size) + aux * (scale / M)).backward()
+                        both = (loss + aux / M).detach()
+                        total = both if total is None else total + both
+                for acc, m in zip(loads, model.moe_layers()):
+                    acc += m.router.last_load
+                if not keep_outputs:
+                    out.pop("model_output", None)
+                outputs.append(out)
+        finally:
+            if sync:
+                model.set_requires_gradient_sync(True)
+        if forward_only:
+            for m in model.modules():  # as PolicyTrainer.compute_logprobs: see there
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        else:
+            self._note_call(total, loads, int(n.item()))
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def _micro_step(self, mb: TensorDict, loss_function, forward_only: bool, group):
+        pt = self.trainer
+        check_temperature(mb)
+        values, offsets = sequences(mb)
+        entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
+        pb = pack_rows([to_samples(values, offsets)], pad_multiple=pad_multiple(pt.run),
+                       min_len=min_row(pt.run))
+        batch, positions, packing = local_micro_batch(pb, True, pt.layout, pt.device)
+        lp, ent, aux, _ = pt.model(batch.input_ids, batch.labels, positions,
+                                   with_entropy=entropy, packing=packing)
+        model_output = {"log_probs": to_nested(lp[0], offsets)}
+        if entropy:
+            model_output["entropy"] = to_nested(ent[0], offsets)
+        if loss_function is not None:
+            mb_dev = mb.to(pt.device) if pt.device.type != "cpu" else mb
+            loss, metrics = loss_function(model_output=model_output, data=mb_dev, dp_group=group)
+        else:
+            if not forward_only:
+                raise UserError("longmoe engine: a training pass needs a loss_function")
+            loss, metrics = torch.zeros((), device=pt.device), {}
+        out = {"model_output": detach_tree(model_output), "loss": float(loss.detach().item()),
+               "metrics": metrics}
+        return loss, aux, out
+
+    def _note_call(self, loss, loads, tokens: int) -> None:
+        """What PolicyTrainer.forward_backward records for its optim_step (the pending call, its
+        loss for the finite check, the routers' load, the trained tokens): this engine ran the
+        micro-batches itself, with verl's loss."""
+        pt = self.trainer
+        for acc, m, got in zip(pt._load, pt.model.moe_layers(), loads):
+            acc += got
+            m.router.last_load.copy_(got)
+        pt._loss = loss if pt._loss is None else pt._loss + loss
+        pt._calls += 1
+        pt._tokens += tokens
+
+    # ---- optimizer -----------------------------------------------------------------------------
+
+    def optimizer_zero_grad(self):
+        pt = self.trainer
+        if pt._calls:
+            pt.optim.zero_grad(set_to_none=True)
+            pt.model.zero_grad(set_to_none=True)
+            pt._reset_pending()
+
+    def optimizer_step(self):
+        """PolicyTrainer.optim_step (a non-finite step applies nothing); the gradient norm."""
+        self.last_step = self.trainer.optim_step()
+        return float(self.last_step["grad_norm"])
+
+    def lr_scheduler_step(self):
+        """longmoe's schedule advances with each optimizer step (optim.warmup_steps), not with
+        verl's per-iteration call; the rate the next step applies."""
+        return self.trainer.lr
+
+    # ---- weights and checkpoints ---------------------------------------------------------------
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        """(generator of (Hugging Face name, full tensor), None): rank 0 yields every tensor
+        (longmoe.rl.weights, senders="rank0"); every rank must drain it (gathers inside)."""
+        dtype = DTYPES.get(str(self.engine_config.dtype))
+        buckets = self.trainer.named_weights_for_rollout(BUCKET_BYTES, dtype, senders="rank0")
+
+        def tensors():
+            for bucket in buckets:
+                yield from bucket
+        return tensors(), None
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
+                        **kwargs):
+        """PolicyTrainer.save(local_path): local_path/step-N (N: optimizer steps taken)."""
+        if hdfs_path:
+            raise UserError("longmoe engine: save_checkpoint: hdfs_path is not supported; copy "
+                            "local_path yourself")
+        return self.trainer.save(local_path)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
+        if hdfs_path:
+            raise UserError("longmoe engine: load_checkpoint: hdfs_path is not supported")
+        self.optimizer_zero_grad()
+        return self.trainer.load(local_path)

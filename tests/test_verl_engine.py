@@ -1,0 +1,325 @@
+"""verl drives longmoe: unmodified verl (its TrainingWorker, the calls its actor worker's
+compute_log_prob / update_actor make, its ppo_loss, padding and micro-batching helpers) runs a
+tiny random longmoe model through longmoe.integrations.verl, against PolicyTrainer called
+directly on the same samples.
+
+verl has no CPU platform and its worker expects a process group: the harness below registers a
+host platform with verl's PlatformRegistry and starts a one-rank gloo group (what verl's Ray
+launcher does on a GPU node); verl's own files are not touched.
+"""
+
+import os
+import sys
+from functools import partial
+
+import pytest
+import torch
+
+sys.modules.setdefault("fla", None)  # transformers' Gated DeltaNet on its torch path on CPU
+verl = pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
+
+import torch.distributed as dist  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.plugin.platform import platform_manager  # noqa: E402
+from verl.plugin.platform.platform_cuda import PlatformCUDA  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.model import compute_position_id_with_mask  # noqa: E402
+from verl.workers.config import HFModelConfig, OptimizerConfig, TrainingWorkerConfig  # noqa: E402
+from verl.workers.engine import EngineRegistry  # noqa: E402
+from verl.workers.engine_workers import TrainingWorker  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+from longmoe.api import PolicyTrainer  # noqa: E402
+from longmoe.data.sample import Sample  # noqa: E402
+from longmoe.integrations.verl import (LongMoEActorConfig, LongMoEEngine,  # noqa: E402
+                                       LongMoEEngineConfig)
+
+
+class _HostDevice:
+    """torch.cpu, plus the memory queries verl's worker logs after each call."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def max_memory_allocated(*_):
+        return 0
+
+    @staticmethod
+    def max_memory_reserved(*_):
+        return 0
+
+    @staticmethod
+    def memory_allocated(*_):
+        return 0
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+    @staticmethod
+    def get_device_name(*_):
+        return "CPU"
+
+
+class HostPlatform(PlatformCUDA):
+    """verl's platform for a machine with no accelerator: device "cpu", gloo."""
+
+    device_name = "cpu"
+    vendor_name = "host"
+    device_module = _HostDevice()
+
+    def is_available(self):
+        return True
+
+    def current_device(self):
+        return 0
+
+    def device_count(self):
+        return 1
+
+    def set_device(self, device_index):
+        pass
+
+    def synchronize(self, device_index=None):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def communication_backend_name(self):
+        return "gloo"
+
+
+PRESETS = ("tiny", "tiny-hybrid")
+
+
+@pytest.fixture(scope="module")
+def verl_env(tmp_path_factory):
+    """One-rank gloo group and verl's host platform for this module's tests, both undone after."""
+    tmp = tmp_path_factory.mktemp("verl")
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    saved_platform = platform_manager._current_platform
+    platform_manager.set_platform(HostPlatform())
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0,
+                                world_size=1)
+    yield tmp
+    if started:
+        dist.destroy_process_group()
+    platform_manager._current_platform = saved_platform
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def overrides(preset):
+    return [f"model.preset={preset}", "train.device=cpu", "model.init_std=0.2",
+            "loss.kl_coef=0.0", "optim.warmup_steps=0"]
+
+
+def reference(preset, tmp, lr=1e-2):
+    """A PolicyTrainer built directly, and an HF directory of its initial weights."""
+    pt = PolicyTrainer.from_config(None, overrides(preset) + [f"optim.lr={lr}",
+                                                              "optim.weight_decay=0.01"])
+    path = tmp / f"hf-{preset}"
+    if not (path / "config.json").exists():
+        pt.export_hf(path, dtype=torch.float32)
+    return pt, path
+
+
+def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1):
+    """verl's TrainingWorker over the longmoe engine, as ActorRolloutRefWorker.init_model
+    builds its actor, with verl's ppo_loss as the loss."""
+    actor = LongMoEActorConfig(
+        strategy="longmoe", rollout_n=1, ppo_mini_batch_size=mini_batch, use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=max_tokens, ppo_epochs=epochs, clip_ratio=0.2,
+        loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
+        optim=OptimizerConfig(lr=lr, weight_decay=0.01, betas=(0.9, 0.95), clip_grad=1.0),
+        longmoe=LongMoEEngineConfig(strategy="longmoe", overrides=overrides(preset),
+                                    dtype="float32"))
+    model = HFModelConfig(path=str(path), load_tokenizer=False)
+    cfg = TrainingWorkerConfig(model_type="language_model", model_config=model,
+                               engine_config=actor.engine, optimizer_config=actor.optim,
+                               checkpoint_config=actor.checkpoint)
+    cfg.engine_config.use_dynamic_bsz = True
+    cfg.engine_config.max_token_len_per_gpu = max_tokens
+    cfg.engine_config.infer_max_token_len_per_gpu = max_tokens
+    w = TrainingWorker(cfg)
+    w.reset()
+    w.set_loss_fn(partial(ppo_loss, config=actor))
+    return w
+
+
+def ragged(V, prompt_side, n=6, seed=0):
+    """(samples, verl's padded batch: prompts padded on `prompt_side`, responses on the right,
+    with attention_mask, position_ids and response_mask as verl's rollout makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = 7, 9
+    samples, prompts, responses, pmask, rmask = [], [], [], [], []
+    for i in range(n):
+        p = int(torch.randint(1, P + 1, (1,), generator=g))
+        r = int(torch.randint(1, R + 1, (1,), generator=g))
+        pi, ri = torch.randint(0, V, (p,), generator=g), torch.randint(0, V, (r,), generator=g)
+        adv = float(torch.randn((), generator=g))
+        samples.append(Sample(pi, ri, advantage=adv, index=i))
+        pad_p, pad_r = torch.zeros(P - p, dtype=torch.long), torch.zeros(R - r, dtype=torch.long)
+        ones_p, zeros_p = torch.ones(p, dtype=torch.long), torch.zeros(P - p, dtype=torch.long)
+        if prompt_side == "left":
+            prompts.append(torch.cat([pad_p, pi]))
+            pmask.append(torch.cat([zeros_p, ones_p]))
+        else:
+            prompts.append(torch.cat([pi, pad_p]))
+            pmask.append(torch.cat([ones_p, zeros_p]))
+        responses.append(torch.cat([ri, pad_r]))
+        rmask.append(torch.cat([torch.ones(r, dtype=torch.long), torch.zeros(R - r, dtype=torch.long)]))
+    prompts, responses = torch.stack(prompts), torch.stack(responses)
+    attention = torch.cat([torch.stack(pmask), torch.stack(rmask)], 1)
+    adv = torch.stack([torch.full((R,), s.advantage) for s in samples]) * torch.stack(rmask)
+    td = TensorDict({"prompts": prompts, "responses": responses,
+                     "input_ids": torch.cat([prompts, responses], 1),
+                     "attention_mask": attention,
+                     "position_ids": compute_position_id_with_mask(attention),
+                     "response_mask": torch.stack(rmask), "advantages": adv},
+                    batch_size=[n])
+    return samples, td
+
+
+def verl_logprobs(w, td, budget, entropy=True):
+    """The trainer's _compute_old_log_prob: no padding in, verl's padded layout out; `budget`:
+    max_token_len_per_gpu (log_prob_max_token_len_per_gpu)."""
+    td = left_right_2_no_padding(td.clone())
+    tu.assign_non_tensor(td, calculate_entropy=entropy, compute_loss=False,
+                         max_token_len_per_gpu=budget)
+    out = w.infer_batch(td)
+    lp = no_padding_2_padding(tu.get(out, "log_probs"), td)
+    ent = no_padding_2_padding(tu.get(out, "entropy"), td) if entropy else None
+    return lp, ent, out
+
+
+def test_registered_and_found_through_verl(verl_env):
+    """verl loads every `verl.plugins` entry point when it is imported; ours is the module that
+    registers the engine, for the devices verl asks about."""
+    from importlib.metadata import entry_points
+    ours = [e for e in entry_points(group="verl.plugins") if e.name == "longmoe"]
+    assert [e.value for e in ours] == ["longmoe.integrations.verl"]
+    assert ours[0].load().LongMoEEngine is LongMoEEngine
+    assert EngineRegistry.get_engine_cls("language_model", "longmoe") is LongMoEEngine
+    assert set(EngineRegistry._engines["language_model"]["longmoe"]) == {"cuda", "cpu"}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("prompt_side", ["left", "right"])
+def test_infer_matches_compute_logprobs(verl_env, preset, prompt_side):
+    pt, path = reference(preset, verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, prompt_side)
+    want_lp, want_ent = pt.compute_logprobs(samples, with_entropy=True)
+    got = []
+    w = worker(path, preset)
+    for budget in (16, 40, 200):  # one sequence per micro-batch .. all in one
+        lp, ent, _ = verl_logprobs(w, td, budget)
+        for i, s in enumerate(samples):
+            R = s.response.numel()
+            assert torch.allclose(lp[i, :R], want_lp[i], atol=1e-5, rtol=0), (budget, i)
+            assert torch.allclose(ent[i, :R], want_ent[i], atol=1e-5, rtol=0), (budget, i)
+        got.append(lp)
+    assert all(torch.allclose(g, got[0], atol=1e-5, rtol=0) for g in got[1:])
+
+
+def _train_inputs(pt, td, samples):
+    """The update batch: old log-probs from the policy itself (the first on-policy step)."""
+    old = pt.compute_logprobs(samples)
+    R = td["responses"].shape[1]
+    td = td.clone()
+    td["old_log_probs"] = torch.stack([torch.nn.functional.pad(o, (0, R - o.numel()))
+                                       for o in old])
+    return td, [Sample(s.prompt, s.response, s.advantage, old_logprobs=o, index=s.index)
+                for s, o in zip(samples, old)]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_train_step_matches_forward_backward(verl_env, preset):
+    pt, path = reference(preset, verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=1)
+    td, with_old = _train_inputs(pt, td, samples)
+    want = pt.forward_backward(with_old)
+    want_step = pt.optim_step()
+
+    w = worker(path, preset, max_tokens=24, mini_batch=4, epochs=1)
+    batch = left_right_2_no_padding(td.clone())
+    tu.assign_non_tensor(batch, global_batch_size=4, mini_batch_size=4, epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
+                         temperature=1.0)
+    out = tu.get(w.train_mini_batch(batch), "metrics")
+    engine = w.engine
+    assert engine.trainer.step == 1
+    assert out["actor/ppo_kl"] == [pytest.approx(0.0, abs=1e-6)] * len(out["actor/ppo_kl"])
+    assert sum(out["actor/pg_clipfrac"]) == 0.0
+    # verl's loss metric is its policy loss; the MoE balance loss is in the gradient only.
+    assert out["loss"][0] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert out["grad_norm"][0] == pytest.approx(want_step["grad_norm"], rel=1e-5)
+
+
+def test_mini_batches_times_epochs_optimizer_steps(verl_env):
+    pt, path = reference("tiny", verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=6, seed=2)
+    td, _ = _train_inputs(pt, td, samples)
+    w = worker(path, "tiny", max_tokens=32, mini_batch=2, epochs=2)
+    batch = left_right_2_no_padding(td.clone())
+    tu.assign_non_tensor(batch, global_batch_size=2, mini_batch_size=2, epochs=2, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
+                         temperature=1.0)
+    out = tu.get(w.train_mini_batch(batch), "metrics")
+    assert w.engine.trainer.step == 3 * 2
+    assert len(out["grad_norm"]) == 6
+
+
+def test_per_tensor_param_matches_rollout_weights(verl_env):
+    pt, path = reference("tiny-hybrid", verl_env)
+    w = worker(path, "tiny-hybrid")
+    gen, peft = w.engine.get_per_tensor_param()
+    got = dict(gen)
+    want = {n: t for bucket in pt.named_weights_for_rollout(1 << 20, senders="rank0")
+            for n, t in bucket}
+    assert peft is None and list(got) == list(want)
+    for n, t in want.items():
+        assert got[n].shape == t.shape and torch.equal(got[n], t), n
+
+
+def test_checkpoint_round_trip(verl_env):
+    pt, path = reference("tiny", verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=3)
+    td, _ = _train_inputs(pt, td, samples)
+
+    def step(w):
+        batch = left_right_2_no_padding(td.clone())
+        tu.assign_non_tensor(batch, global_batch_size=4, mini_batch_size=4, epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
+                             temperature=1.0)
+        return tu.get(w.train_mini_batch(batch), "metrics")
+
+    a = worker(path, "tiny")
+    step(a)
+    a.save_checkpoint(str(verl_env / "ckpt"))
+    want = step(a)
+    b = worker(path, "tiny")
+    b.load_checkpoint(str(verl_env / "ckpt"))
+    got = step(b)
+    assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+
+
+def test_temperature_other_than_one_is_refused(verl_env):
+    pt, path = reference("tiny", verl_env)
+    _, td = ragged(pt.run.model.vocab_size, "left", n=2)
+    w = worker(path, "tiny")
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, temperature=0.7)
+    with pytest.raises(ValueError, match="temperature must be 1.0"):
+        w.infer_batch(td)
