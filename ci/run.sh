@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one CI entry point. Every job (local, .ci/run, GitHub Actions, the docker images) calls this.
 #
-#   bash ci/run.sh cpu       [--no-install]   CPU torch + longmoe[dev], doctor, the README test command
+#   bash ci/run.sh cpu       [--no-install]   CPU torch + longmoe[dev], doctor, the wheel check,
+#                                             the README test command
 #   bash ci/run.sh gpu       [--no-install] [--write-golden] [--install-only]
 #                                             in a GPU image: whole test suite on the device, bench
 #                                             smoke (if `longmoe bench` exists), 20-step golden run
@@ -15,7 +16,7 @@
 # instead of being killed silently with it).
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 TIER=${1:-}
 [[ $TIER == cpu || $TIER == gpu || $TIER == multi-gpu ]] || usage
@@ -141,6 +142,11 @@ tier_cpu() {
     if [[ $INSTALL -eq 1 ]]; then install_cpu; fi
     if [[ $INSTALL_ONLY -eq 1 ]]; then return 0; fi
     doctor
+    # The built wheel, installed non-editable in a clean venv, used from outside the checkout:
+    # every module imports, the demo and docs/api.md's examples run (ci/check_wheel.py).
+    begin "wheel"
+    "$PY" ci/check_wheel.py
+    end
     begin "tests"
     run_tests "$PY" -m pytest -q tests
     end

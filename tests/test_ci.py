@@ -53,3 +53,48 @@ def test_golden_checker_passes_and_fails(tmp_path):
 def test_shipped_cuda_golden_is_well_formed():
     g = json.loads((ROOT / "ci" / "golden" / "cuda_gpu_smoke.json").read_text())
     assert len(g["steps"]) == 20 and g["tolerance"]["loss"]["atol"] > 0
+
+
+def _check_wheel():
+    sys.path.insert(0, str(ROOT / "ci"))
+    try:
+        import check_wheel
+    finally:
+        sys.path.pop(0)
+    return check_wheel
+
+
+def test_cpu_tier_runs_the_wheel_check():
+    text = (ROOT / "ci" / "run.sh").read_text()
+    tier = text[text.index("tier_cpu() {"):]
+    tier = tier[:tier.index("\n}\n")]
+    assert '"$PY" ci/check_wheel.py' in tier
+    assert tier.index("ci/check_wheel.py") < tier.index("pytest")  # before the long part
+
+
+def test_wheel_check_names_a_missing_module_and_a_stray_file(tmp_path):
+    import zipfile
+    cw = _check_wheel()
+    files, dirs = cw.source_files(), cw.package_dirs()
+    expected = cw.expected_wheel_files(files, dirs)
+    assert {"longmoe/api/__init__.py", "longmoe/backends/cuda/kernels.json",
+            "longmoe/tuning/cache/chunks.json", "longmoe/recipes/cpu_demo.yaml"} <= expected
+    assert not any(p.startswith(("tests/", "bench/", "backends/", "tuning/")) for p in expected)
+    assert "longmoe.api" in cw.source_modules(files, dirs)
+
+    def wheel(names):
+        path = tmp_path / "w.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            for n in names:
+                z.writestr(n, "")
+        return path
+    cw.check_contents(wheel([*expected, "longmoe-0.1.0.dist-info/RECORD"]), expected)
+    with pytest.raises(RuntimeError, match="longmoe/api/__init__.py"):
+        cw.check_contents(wheel(sorted(expected - {"longmoe/api/__init__.py"})), expected)
+    with pytest.raises(RuntimeError, match="tests/conftest.py"):
+        cw.check_contents(wheel([*expected, "tests/conftest.py"]), expected)
+
+
+def test_wheel_check_finds_the_api_doc_examples():
+    blocks = _check_wheel().runnable_blocks((ROOT / "docs" / "api.md").read_text())
+    assert blocks and all("longmoe" in b for b in blocks)
