@@ -207,10 +207,15 @@ def verl_logprobs(w, td, budget, entropy=True):
 def test_registered_and_found_through_verl(verl_env):
     """verl loads every `verl.plugins` entry point when it is imported; ours is the module that
     registers the engine, for the devices verl asks about."""
-    from importlib.metadata import entry_points
-    ours = [e for e in entry_points(group="verl.plugins") if e.name == "longmoe"]
-    assert [e.value for e in ours] == ["longmoe.integrations.verl"]
-    assert ours[0].load().LongMoEEngine is LongMoEEngine
+    import importlib
+    import tomllib
+    from pathlib import Path
+    # The declaration, not the installed metadata: an in-tree egg-info from an older build can
+    # shadow the install's entry points when the tests run from the repository root.
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    ours = meta["project"]["entry-points"]["verl.plugins"]
+    assert ours == {"longmoe": "longmoe.integrations.verl"}
+    assert importlib.import_module(ours["longmoe"]).LongMoEEngine is LongMoEEngine
     assert EngineRegistry.get_engine_cls("language_model", "longmoe") is LongMoEEngine
     assert set(EngineRegistry._engines["language_model"]["longmoe"]) == {"cuda", "cpu"}
 
@@ -323,3 +328,31 @@ def test_temperature_other_than_one_is_refused(verl_env):
     tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, temperature=0.7)
     with pytest.raises(ValueError, match="temperature must be 1.0"):
         w.infer_batch(td)
+
+
+def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
+    """verl's ppo_trainer with `model_engine=longmoe` and our config package on hydra's search
+    path: the actor and the reference policy become LongMoEActorConfig with strategy longmoe
+    (the reference forward only), the critic stays verl's FSDP one."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[
+            "hydra.searchpath=[pkg://longmoe.integrations.verl.configs]", "model_engine=longmoe",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.longmoe.overrides=['parallel.ep=2']"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, LongMoEActorConfig) and actor.strategy == "longmoe"
+    assert isinstance(actor.engine, LongMoEEngineConfig) and actor.engine.overrides == ["parallel.ep=2"]
+    ref = cfg.actor_rollout_ref.ref
+    with open_dict(ref):  # what ActorRolloutRefWorker.init_model does before converting it
+        ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    ref = omega_conf_to_dataclass(ref)
+    assert ref.strategy == "longmoe" and ref.engine.forward_only
+    assert ref.engine.overrides == ["parallel.ep=2"]
+    assert cfg.critic.strategy == "fsdp"
