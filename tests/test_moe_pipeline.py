@@ -236,3 +236,50 @@ def test_wgrad_inside_each_chunk_holds_less_than_delayed(chunks, by):
     assert peaks["auto"] < 0.85 * peaks["delayed"], peaks
     for a, b in zip(grads["auto"], grads["delayed"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _CountingA2A:
+    """The process-group transport, counting the rows handed to it."""
+
+    name = "process_group"
+
+    def __init__(self):
+        from longmoe.backends.transports import ProcessGroupA2A
+        self.inner, self.rows = ProcessGroupA2A(), 0
+
+    def __call__(self, out, inp, *args):
+        self.rows += inp.shape[0]
+        self.inner(out, inp, *args)
+
+
+@pytest.mark.parametrize("chunks,by", [(1, "experts"), (3, "experts"), (2, "tokens")])
+def test_one_rank_pipeline_moves_no_rows(chunks, by):
+    # An EP group of one: no all-to-all has anything to move, so none reaches the transport (each
+    # was a full pass over the rows, and the expert-order gathers around it two more); the layer
+    # still matches the unpipelined one.
+    from longmoe.backends.streams import HostStreams
+    from longmoe.config import get_preset
+    from longmoe.model.moe import MoE
+    from longmoe.model.transformer import init_params
+    from longmoe.parallel.expert_parallel import ExpertDispatcher
+    cfg = get_preset("tiny").replace(num_experts=8, top_k=2, hidden_size=64, moe_ffn_size=32)
+    moe = MoE(cfg)
+    init_params(moe, cfg, 0)
+    moe.double()
+    seed = random.randrange(2**31)
+    x = torch.randn(1, 53, cfg.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    out = {}
+    for name in ("direct", "pipeline"):
+        tr = _CountingA2A()
+        moe.dispatcher = (ExpertDispatcher(8) if name == "direct" else
+                          ExpertDispatcher(8, None, chunks, tr, HostStreams(), pipeline=True,
+                                           chunk_by=by))
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        y, aux = moe(x)
+        torch.autograd.backward([y, aux], [torch.ones_like(y), torch.ones_like(aux)])
+        out[name] = [y.detach(), x.grad] + [p.grad for p in moe.parameters()]
+        assert tr.rows == 0, (name, tr.rows)
+    for a, b in zip(out["direct"], out["pipeline"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"seed {seed}")

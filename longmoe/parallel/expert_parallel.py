@@ -71,7 +71,7 @@ class ExpertDispatcher:
         T, K = idx_TK.shape
         if self.ep_size == 1 and not self.pipeline:  # all experts here: one grouped GEMM pass over every token
             plan = plan_routes(idx_TK, self.num_experts, 1)
-            inv = inverse_permutation(plan.order_A)
+            inv = plan.inv_A
             x_AH = dispatch_rows(x_TH, plan.order_A, inv, K, self.rows_impl)
             y_AH = experts(x_AH, plan.expert_rows[0], offs=plan.offs[0])
             y = combine_permuted(y_AH, plan.order_A, w_TK, inv, self.rows_impl)

@@ -36,6 +36,13 @@ per chunk into its token slice for token chunks, once at the end over all rows f
 Grouped-GEMM offsets come from the route plan on the device: no host list reaches the device
 inside the layer (each would be a stream synchronisation).
 
+One rank (an EP group of one, e.g. the pipeline timed on a single device): no all-to-all moves a
+row, so none is issued. Each chunk gathers its tokens straight into the expert-input buffer, its
+expert outputs and dX rows are the combine's rows as they are (with one chunk) or are copied into
+the layer's row buffer on the comm stream under the next chunk's GEMMs (expert chunks), and the
+source-major <-> expert-major gathers, identities with one source, are skipped. On an H200 at 16K
+tokens those transfers and gathers were 8 full passes over the rows per layer step (+28% at C = 1).
+
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
 """
@@ -64,6 +71,8 @@ class ChunkPipeline:
         self.rows_impl = rows_impl  # the gather/SwiGLU row kernels (ops/moe_rows.py)
         self.wgrad = wgrad
         self._metas = None
+        # An EP group of one: the all-to-alls move nothing (see the module docstring).
+        self.local = bool(plan.send) and len(plan.send[0]) == 1
 
     def wgrad_in_chunks(self) -> bool:
         """Whether each chunk's weight gradient runs right after its dgrad (it writes only its
@@ -86,6 +95,9 @@ class ChunkPipeline:
         """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks."""
         a0, a1 = self.arange(c)
         g_rows, _ = gather_scale(g_TH, metas[c][0], self.w_A[a0:a1], impl=self.rows_impl)
+        if self.local:  # the rows are already where the experts read them
+            recv[c], marks[c] = g_rows, None
+            return
         recv[c] = g_TH.new_empty((sum(self.plan.recv[c]), g_TH.shape[1]))
         marks[c] = self.a2a(recv[c], g_rows, c, reverse=False)
 
@@ -122,14 +134,16 @@ class ChunkPipeline:
         if self._metas is None:
             p, K = self.plan, self.top_k
             tok_A = p.order_A // K
-            tk_A = self.tk_all = inverse_permutation(p.order_A)
+            tk_A = self.tk_all = p.inv_A
             rs = self.row_slices()
-            perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
-            inv_all = inverse_permutation(perm_all)
+            if not self.local:  # one source: received order is expert-major already
+                perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
+                inv_all = inverse_permutation(perm_all)
             out = []
             for c, r in enumerate(rs):
                 a0, a1 = self.arange(c)
-                out.append((tok_A[a0:a1], perm_all[r] - r.start, inv_all[r] - r.start,
+                perm = None if self.local else (perm_all[r] - r.start, inv_all[r] - r.start)
+                out.append((tok_A[a0:a1], *(perm or (None, None)),
                             None if self.by_experts else tk_A[a0:a1] - a0))
             self._metas = out
         return self._metas
@@ -144,9 +158,24 @@ class ChunkPipeline:
         sizes = [sum(col) for col in zip(*p.expert_rows)]
         return perm, sizes, p.rows_CL.sum(0).cumsum(0).to(torch.int32)
 
+    def copy_beside(self, pairs):
+        """out <- inp for each (out, inp), in one go on the comm stream, beside the compute
+        stream's next work (one rank, where the comm stream has no all-to-all to run)."""
+        st = self.streams
+        st.comm_waits_compute()
+        for _, inp in pairs:
+            st.comm_uses(inp)
+        with st.comm():
+            for out, inp in pairs:
+                out.copy_(inp)
+        return st.mark_comm()
+
     def a2a(self, out, inp, c: int, reverse: bool):
-        """Dispatch direction (tokens to experts) or, reversed, combine direction."""
+        """Dispatch direction (tokens to experts) or, reversed, combine direction. One rank:
+        nothing when `out` is `inp`, else a copy on the comm stream."""
         p, st = self.plan, self.streams
+        if self.local:  # nothing to move where the rows are already in place
+            return None if out.data_ptr() == inp.data_ptr() else self.copy_beside([(out, inp)])
         st.comm_waits_compute()
         st.comm_uses(inp)
         m = p.matrix[c]
@@ -214,6 +243,8 @@ class _PipelinedExperts(torch.autograd.Function):
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
         def dispatch(c):
+            if pipe.local:  # gathered straight into the expert inputs when the chunk runs
+                return
             recv[c] = x_TH.new_empty((sum(plan.recv[c]), H))
             d_mark[c] = pipe.a2a(recv[c], x_TH[metas[c][0]], c, reverse=False)
 
@@ -231,17 +262,20 @@ class _PipelinedExperts(torch.autograd.Function):
         for c in range(C):
             st.compute_waits(d_mark[c])
             xg = xg_all[rs[c]]
-            torch.index_select(recv[c], 0, metas[c][1], out=xg)
+            if pipe.local:
+                torch.index_select(x_TH, 0, metas[c][0], out=xg)
+            else:
+                torch.index_select(recv[c], 0, metas[c][1], out=xg)
             recv[c] = None
             ex = pipe.experts(c)
             h, yg = _experts_fwd(xg, w_in[ex], w_out[ex], plan.expert_rows[c][ex],
                                  plan.offs[c][ex], impl, pipe.rows_impl)
             a0, a1 = pipe.arange(c)
-            send = yg[metas[c][2]]
+            send = yg if pipe.local else yg[metas[c][2]]
             yg = None  # its gathered copy is what the comm stream sends
-            if by_e and y_A is None:
-                y_A = x_TH.new_empty((plan.order_A.numel(), H))
-            comb[c] = y_A[a0:a1] if by_e else x_TH.new_empty((a1 - a0, H))
+            if by_e and y_A is None:  # one rank, one chunk: the expert outputs are the rows
+                y_A = send if pipe.local and C == 1 else x_TH.new_empty((plan.order_A.numel(), H))
+            comb[c] = y_A[a0:a1] if by_e else send if pipe.local else x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], send, c, reverse=True)
             send = None
             if c + 2 < C:
@@ -256,7 +290,8 @@ class _PipelinedExperts(torch.autograd.Function):
             s, e = plan.bounds[C - 1]
             y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
             pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
-        st.pending.append(c_mark[C - 1])
+        if c_mark[C - 1] is not None:
+            st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_A, w_in, w_out, xg_all, *hs)
         ctx.pipe, ctx.impl = pipe, impl
         return y_TH
@@ -274,7 +309,6 @@ class _PipelinedExperts(torch.autograd.Function):
         gx_TH = torch.empty_like(g_TH)
         acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
         gw_A = torch.empty(w_A.shape, dtype=acc, device=w_A.device)
-        gw_mark = None
         w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
         recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
@@ -303,16 +337,18 @@ class _PipelinedExperts(torch.autograd.Function):
             gather_sum(gx_A[c], metas[c][3], None, K, out=gx_TH[s:e], impl=pipe.rows_impl)
             gx_A[c] = None
 
-        def combine_buffer(c):
+        def combine_buffer(c, send):
             a0, a1 = pipe.arange(c)
             if not by_e:
-                gx_A[c] = g_TH.new_empty((a1 - a0, H))
+                gx_A[c] = send if pipe.local else g_TH.new_empty((a1 - a0, H))
                 return gx_A[c]
-            if gx_A[0] is None:
-                gx_A[0] = g_TH.new_empty((plan.order_A.numel(), H))
+            if gx_A[0] is None:  # one rank, one chunk: the dX rows are the combine's rows
+                gx_A[0] = (send if pipe.local and C == 1
+                           else g_TH.new_empty((plan.order_A.numel(), H)))
             return gx_A[0][a0:a1]
 
         wgrads = {}  # the GEMM implementation chosen once per weight, not per chunk (host time)
+        moves = []  # one rank: a chunk's copies, issued together at the end of its step
 
         def wgrad_into(dw, ex, x, dy, w, rows, offs):
             if id(w) not in wgrads:
@@ -320,7 +356,12 @@ class _PipelinedExperts(torch.autograd.Function):
             d = wgrads[id(w)](x, dy, rows, w[ex], offs)
             if dw is None:
                 return d
-            dw[ex] = d
+            # torch._grouped_mm has no out=: the chunk's slice is copied in (for 256 local experts
+            # 1.5 GiB per layer step in all; one rank runs it beside the next chunk's GEMMs).
+            if pipe.local:
+                moves.append((dw[ex], d))
+            else:
+                dw[ex] = d
             return dw
 
         for c in range(min(2, C)):
@@ -332,10 +373,14 @@ class _PipelinedExperts(torch.autograd.Function):
             rows, offs = plan.expert_rows[c][ex], plan.offs[c][ex]
             a0, a1 = pipe.arange(c)
             if now:
-                gy, gh, a = recv[c].index_select(0, metas[c][1]), None, None
+                gy = recv[c] if pipe.local else recv[c].index_select(0, metas[c][1])
+                gh = a = None
             else:
                 gy, gh, a = gy_all[rs[c]], gh_all[rs[c]], a_all[rs[c]]
-                torch.index_select(recv[c], 0, metas[c][1], out=gy)
+                if pipe.local:
+                    gy.copy_(recv[c])
+                else:
+                    torch.index_select(recv[c], 0, metas[c][1], out=gy)
             recv[c] = None
             if gy.shape[0]:
                 ga = grouped_mm(gy, w_out_t[ex], rows, offs, impl=impl)      # dgrad
@@ -354,14 +399,23 @@ class _PipelinedExperts(torch.autograd.Function):
                 gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
                 if now:  # no rows for these experts on this rank: their gradients are zero
                     dw_out, dw_in = _zero_slice(dw_out, w_out, ex), _zero_slice(dw_in, w_in, ex)
-            send = gxg[metas[c][2]]
+            send = gxg if pipe.local else gxg[metas[c][2]]
             gxg = None  # only its gathered copy travels
-            c_mark[c] = pipe.a2a(combine_buffer(c), send, c, reverse=True)
-            gw_mark = pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
-            send = gw_e = None
+            buf = combine_buffer(c, send)
+            if pipe.local:  # the router weights' rows are small: copied in place
+                gw_A[a0:a1].copy_(gw_e)
+                if buf.data_ptr() != send.data_ptr():
+                    moves.append((buf, send))
+            else:
+                c_mark[c] = pipe.a2a(buf, send, c, reverse=True)
+                pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
+            send = gw_e = buf = None
             if now and gh is not None:  # dW_in under this chunk's combine
                 dw_in = wgrad_into(dw_in, ex, xg_all[rs[c]], gh, w_in, rows, offs)
             gh = None
+            if moves:
+                c_mark[c] = pipe.copy_beside(moves)
+                moves.clear()
             if c + 2 < C:
                 dispatch(c + 2)
             if c and not by_e:
@@ -376,7 +430,7 @@ class _PipelinedExperts(torch.autograd.Function):
             gather_sum(gx_A[0], pipe.tk_all, None, K, out=gx_TH, impl=pipe.rows_impl)
         else:
             accumulate(C - 1)
-        st.compute_waits(gw_mark)
+        st.compute_waits(st.mark_comm())  # the router weights' rows and any dW slice copies
         w = w_A.to(acc)
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
         # there, so any finite value is exact: 0.

@@ -33,6 +33,7 @@ class RoutePlan:
     # Chunks by expert: chunk c holds every token's assignments to local experts
     # expert_bounds[c] (on every rank), so each expert's rows sit in one chunk.
     expert_bounds: list[tuple[int, int]] | None = None
+    inv_A: torch.Tensor | None = None  # inverse of order_A: the row of each (token, k)
 
 
 def check_chunking(chunks: int, by: str, local_experts: int):
@@ -96,6 +97,11 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
         counts_SCE = counts_CE[None]
     recv_SCL = counts_SCE[:, :, me * L:(me + 1) * L]
     matrix_CSD = counts_SCE.view(S, C, S, L).sum(-1).transpose(0, 1)
+    # Device work that needs no host value is queued before the synchronisation: the device runs
+    # it while the host waits, instead of idling after it while the host issues small kernels.
+    rows_CL = recv_SCL.sum(0)
+    offs_CL = rows_CL.cumsum(1).to(torch.int32)  # grouped GEMM offsets, built without a host copy
+    inv_A = inverse_permutation(order_A)
     # The one host synchronisation of the layer (the expert-index range rides along with it).
     bounds_dev = (torch.stack([idx_TK.min(), idx_TK.max()]) if idx_TK.numel()
                   else idx_TK.new_zeros(2))
@@ -105,10 +111,8 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     host = host[:-2]
     mat = [[host[(c * S + s) * S:(c * S + s + 1) * S] for s in range(S)] for c in range(C)]
     rows = host[C * S * S:]
-    rows_CL = recv_SCL.sum(0)
-    offs_CL = rows_CL.cumsum(1).to(torch.int32)  # grouped GEMM offsets, built without a host copy
     plan = RoutePlan(bounds, mat, [], [], [], [], order_A, rows_CL, list(offs_CL.unbind(0)),
-                     [], ebounds)
+                     [], ebounds, inv_A)
     a0 = 0
     for c in range(C):
         plan.send.append(list(mat[c][me]))
