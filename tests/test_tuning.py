@@ -108,29 +108,76 @@ def test_input_errors_name_the_flag():
         check_inputs([4096], [1], 3, 256)
 
 
-def test_tuner_end_to_end_on_two_gloo_ranks(tmp_path, monkeypatch):
+def test_tuner_end_to_end_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "tune"
-    # --smoke with its own defaults (two tiny lengths, chunks 1 and 2, two iterations)
+    # --smoke with its own defaults (two tiny lengths, chunks 1 and 2, two iterations), --ep left
+    # to its default: the run says which EP and which devices it measured
     p = subprocess.run([sys.executable, "-m", "longmoe", "tune", "chunks", "--smoke", "--device",
-                        "cpu", "--ep", "2", "--out", str(out), "--json"],
-                       capture_output=True, text=True, timeout=600)
+                        "cpu", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     progress = [ln for ln in p.stderr.splitlines() if ln.startswith("tune chunks: ")]
     assert progress and "2 lengths x 2 chunk counts" in progress[-1], p.stderr[-2000:]
-    summary = json.loads(p.stdout[p.stdout.index("{"):])
-    entries = cache.load(out / cache.FILE_NAME)
-    assert len(entries) == 2 and all(k.startswith("cpu|cpu|cpu|ep2|") for k in entries)
+    assert "EP 2 (the --ep default): 2 cpu rank(s)" in progress[0]
+    # nothing but our own lines: no profiler chatter (kineto's USDT/STAGE/INFO lines), no
+    # matplotlib notice
+    ours = ("tune chunks: ", "longmoe backend: ")
+    assert [ln for ln in p.stderr.splitlines() if not ln.startswith(ours)] == [], p.stderr
+    assert "measured on: 2 x cpu" in p.stdout and "EP 2 (the --ep default)" in p.stdout
+    # CPU ranks write no cache entry, and the table never shows a fraction above 100%
+    assert not (out / cache.FILE_NAME).exists()
+    assert "cache: not written: CPU ranks" in p.stdout
+    assert p.stdout.splitlines()[-1].endswith("no cache written (CPU ranks)")
+    hidden = [ln.split("|")[7].strip() for ln in p.stdout.splitlines() if ln.startswith("| 64 ")
+              or ln.startswith("| 128 ")]
+    assert len(hidden) == 2 and all(h == "noise" or 0 <= int(h.rstrip("%")) <= 100 for h in hidden)
+    # one start of the ranks measured every length and took the traces
+    sweep = json.loads(next(out.glob("sweep_*.json")).read_text())
+    summary = sweep["summary"]
+    assert len(sweep["reports"]) == 1 and summary["cache"] is None
+    assert summary["hardware"] == {"device": "cpu", "backend": "cpu", "arch": "cpu",
+                                   "interconnect": "cpu", "ranks": 2}
     for T, r in summary["results"].items():
-        sweep = r["sweep_ms"]["process_group"]
-        assert set(sweep) == {"1", "2"} and r["chunks"] in (1, 2)
-        assert r["ms"] == pytest.approx(min(sweep.values()), abs=1e-3)  # the pick is the fastest
+        sweep_ms = r["sweep_ms"]["process_group"]
+        assert set(sweep_ms) == {"1", "2"} and r["chunks"] in (1, 2)
+        assert r["ms"] == pytest.approx(min(sweep_ms.values()), abs=1e-3)  # the pick is the fastest
+        assert 0 <= r["hidden_fraction"] <= 1
     assert summary["plot"] and (out / summary["plot"].split("/")[-1]).stat().st_size > 1000
     assert summary["traces"] and all(t.endswith(".json.gz") for t in summary["traces"])
-    # the runtime reads what the tuner wrote
-    cfg = get_preset("tiny")
-    monkeypatch.setenv(cache.ENV_DIR, str(out))
-    n, src = resolve_chunks("auto", get_backend("cpu"), 2, cfg.hidden_size, 2, "float32", 128)
-    assert "tuning cache" in src and n == summary["results"]["128"]["chunks"]
+
+
+def test_hidden_fraction_outside_0_1_is_noise():
+    # 2 chunks "saved" 8.38x the smaller of the all-to-all and the GEMMs alone: no schedule
+    # hides more than that, so it is timing noise, clamped and said so.
+    from longmoe.bench.moe_layer import hidden_fraction, markdown_table, summarize
+    from longmoe.tuning.tuner import choose, hidden_cell
+    assert hidden_fraction(10.0, 6.0, 8.0, 5.0) == (0.8, False)
+    assert hidden_fraction(10.0, 1.62, 1.0, 5.0) == (1.0, True)
+    rows = [{"kind": "layer", "transport": "pg", "priority": 0, "T": 64, "chunks": c, "ms": ms,
+             "peak_bytes": 1} for c, ms in ((1, 10.0), (2, 1.62))]
+    rows += [{"kind": "comm", "transport": "pg", "T": 64, "ms": 1.0, "bytes": 1},
+             {"kind": "gemm", "transport": "pg", "T": 64, "ms": 5.0}]
+    r = choose(rows, 64)
+    assert r["hidden_fraction"] == 1.0 and r["hidden_noise"] and hidden_cell(r) == "noise"
+    s = summarize(rows, default_chunks)
+    assert s[0]["hidden_fraction"] == 1.0 and s[0]["hidden_noise"]
+    table = markdown_table({"summary": s})
+    assert "noise" in table and "838%" not in table
+    rows[1]["ms"] = 9.5          # saved 0.5 ms of a 1 ms all-to-all: half of it hidden
+    assert hidden_cell(choose(rows, 64)) == "50%"
+
+
+def test_predict_needs_the_hardware_and_says_the_ep(capsys):
+    from longmoe.cli import main
+    assert main(["tune", "chunks", "--predict", "--seq-lens", "16384"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --hardware: --predict")
+    assert main(["tune", "chunks", "--predict", "--hardware", "h200", "--seq-lens", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "EP=2 (the --ep default)" in out.splitlines()[0]
+    assert "for NVIDIA H200" in out.splitlines()[-1] and "at EP 2 (the --ep default)" in out
+    assert main(["tune", "chunks", "--predict", "--hardware", "h200", "--ep", "8",
+                 "--seq-lens", "16384"]) == 0
+    assert "EP=8," in capsys.readouterr().out
 
 
 def test_cost_model_predictions_are_labelled_and_sane():

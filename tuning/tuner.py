@@ -5,6 +5,9 @@ all-to-all transport the backend offers here, the adapter's comm-stream priority
 timing of forward+backward, rank-max. The best (transport, chunks) per length becomes a cache
 entry; a PNG plots time against chunks per length; the baseline and the best at one length are
 profiled with torch.profiler into Perfetto-viewable Chrome traces.
+
+A run on CPU ranks (`--smoke`, `--device cpu`) checks that the tuner works and writes no cache
+entry: timings of gloo on shared cores say nothing about how a GPU overlaps an all-to-all.
 """
 
 from __future__ import annotations
@@ -47,14 +50,25 @@ def choose(rows: list[dict], T: int) -> dict:
            "speedup": base["ms"] / best["ms"] - 1, "sweep_ms": sweep,
            "peak_bytes": best["peak_bytes"]}
     if comm and gemm:
-        out.update(comm_ms=comm, gemm_ms=gemm,
-                   hidden_fraction=(base["ms"] - best["ms"]) / min(comm, gemm))
+        from longmoe.bench.moe_layer import hidden_fraction
+        frac, noise = hidden_fraction(base["ms"], best["ms"], comm, gemm)
+        out.update(comm_ms=comm, gemm_ms=gemm, hidden_fraction=frac, hidden_noise=noise)
     return out
+
+
+def hidden_cell(r: dict) -> str:
+    """The table's "hidden" column: a fraction, or "noise" where the quotient left [0, 1]."""
+    if r.get("hidden_fraction") is None:
+        return ""
+    return "noise" if r.get("hidden_noise") else f"{r['hidden_fraction']:.0%}"
 
 
 def plot(results: dict[int, dict], path: Path, title: str) -> Path | None:
     try:
+        import logging
+
         import matplotlib
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)   # its font-cache notice
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -78,60 +92,78 @@ def plot(results: dict[int, dict], path: Path, title: str) -> Path | None:
 
 def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], out_dir: str,
                 device: str, iters: int = 5, trace_len: int | None = None, smoke: bool = False,
-                show_progress: bool = True) -> dict:
+                show_progress: bool = True, ep_note: str = "") -> dict:
     from longmoe.backends import get_backend
     from longmoe.bench.moe_layer import run_bench
     from longmoe.config import get_preset
-    from longmoe.console import Progress
+    from longmoe.console import Progress, note
     from longmoe.tuning.cache import interconnect_signature, make_key, save
     backend = get_backend(device)
     cfg = smoke_model() if smoke else get_preset(preset)
-    dtype = "float32" if backend.device_type == "cpu" else "bfloat16"
+    on_cpu = backend.device_type == "cpu"
+    dtype = "float32" if on_cpu else "bfloat16"
     check_inputs(seq_lens, chunks, ep, cfg.num_experts)
     count = backend.probe().get("device_count") or 0
-    if backend.device_type != "cpu" and ep > count:
+    if not on_cpu and ep > count:
         raise UserError(f"--ep: {ep} ranks but only {count} {backend.name} device(s)")
     transports = [t for t in backend.collective.a2a_transports
                   if backend.collective.a2a_unavailable(t, backend.device(0)) is None]
     prio = backend.comm_stream_priority
     probe = backend.probe()
     sig = interconnect_signature(probe)
+    device_name = probe.get("device_name") or backend.name
+    layer = "tiny (smoke)" if smoke else preset
+    if show_progress:
+        note(f"tune chunks: measuring {layer} (H={cfg.hidden_size}, top-{cfg.top_k}) on EP {ep}"
+             f"{ep_note}: {ep} {device_name} rank(s), backend {backend.name}, arch {backend.arch}, "
+             f"interconnect {sig}, {dtype}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results, entries, reports = {}, {}, []
     trace_len = trace_len or seq_lens[len(seq_lens) // 2]
-    # One step per length (every chunk count and transport at it), then the two profiled runs.
-    bar = Progress("tune chunks", len(seq_lens) + 1) if show_progress else None
-    for i, T in enumerate(seq_lens, 1):
-        rep = run_bench([T], chunks, transports, [prio], iters, ep, device,
-                        preset=preset, dtype=dtype, smoke=smoke)
+    traces = out / "traces"
+    # One run of the ranks per length (every chunk count and transport at it), then the two
+    # profiled runs. --smoke: one run for everything, its traces included: starting the ranks
+    # takes seconds, the tiny layer milliseconds.
+    runs = ([(seq_lens, {"trace_tokens": trace_len, "trace_dir": traces, "trace_chunks": chunks})]
+            if smoke else [([T], {}) for T in seq_lens])
+    bar = Progress("tune chunks", len(runs) + (not smoke)) if show_progress else None
+    for i, (lens, trace) in enumerate(runs, 1):
+        rep = run_bench(lens, chunks, transports, [prio], iters, ep, device,
+                        preset=preset, dtype=dtype, smoke=smoke, **trace)
         reports.append(rep)
-        res = choose(rep["rows"], T)
-        results[T] = res
-        key = make_key(backend.name, backend.arch, sig, ep, cfg.hidden_size, cfg.top_k,
-                       dtype, T)
-        entries[key] = {**{k: res[k] for k in ("chunks", "transport", "ms", "nochunk_ms",
-                                                "speedup")},
-                        "hidden_fraction": res.get("hidden_fraction"), "local_tokens": T,
-                        "chunk_by": rep["chunk_by"],
-                        "device": rep["device"], "date": rep["date"],
-                        "torch": rep["versions"].get("torch")}
+        for T in lens:
+            res = choose(rep["rows"], T)
+            results[T] = res
+            key = make_key(backend.name, backend.arch, sig, ep, cfg.hidden_size, cfg.top_k,
+                           dtype, T)
+            entries[key] = {**{k: res[k] for k in ("chunks", "transport", "ms", "nochunk_ms",
+                                                    "speedup")},
+                            "hidden_fraction": res.get("hidden_fraction"), "local_tokens": T,
+                            "chunk_by": rep["chunk_by"],
+                            "device": rep["device"], "date": rep["date"],
+                            "torch": rep["versions"].get("torch")}
         if bar:
-            bar.update(i, f"T={T}: best {res['chunks']} chunks ({res['transport']})")
-    best = results[trace_len] if trace_len in results else results[seq_lens[-1]]
-    run_bench([trace_len], sorted({1, best["chunks"]}), [best["transport"]], [prio], 1, ep,
-              device, preset=preset, dtype=dtype, trace_tokens=trace_len,
-              trace_dir=out / "traces", trace_chunks=sorted({1, best["chunks"]}), smoke=smoke)
-    if bar:
-        bar.update(len(seq_lens) + 1, f"profiled T={trace_len}")
-    cache_file = save(out, entries)
-    title = f"{probe.get('device_name') or backend.name} x{ep} ({sig}), H={cfg.hidden_size}, " \
-            f"top-{cfg.top_k}, {dtype}"
+            bar.update(i, ", ".join(f"T={T}: best {results[T]['chunks']} chunks "
+                                    f"({results[T]['transport']})" for T in lens))
+    if not smoke:
+        best = results[trace_len] if trace_len in results else results[seq_lens[-1]]
+        run_bench([trace_len], sorted({1, best["chunks"]}), [best["transport"]], [prio], 1, ep,
+                  device, preset=preset, dtype=dtype, trace_tokens=trace_len,
+                  trace_dir=traces, trace_chunks=sorted({1, best["chunks"]}), smoke=smoke)
+        if bar:
+            bar.update(len(runs) + 1, f"profiled T={trace_len}")
+    cache_file = None if on_cpu else save(out, entries)
+    title = f"{device_name} x{ep} ({sig}), H={cfg.hidden_size}, top-{cfg.top_k}, {dtype}"
     png = plot(results, out / f"chunks_{backend.name}_{backend.arch}_{sig}_ep{ep}.png", title)
-    summary = {"cache": str(cache_file), "plot": str(png) if png else None,
+    summary = {"cache": str(cache_file) if cache_file else None,
+               "cache_note": None if cache_file else CPU_NOTE,
+               "plot": str(png) if png else None,
                "plot_note": None if png else "matplotlib missing: pip install longmoe[tune]",
-               "traces": sorted(str(p) for p in (out / "traces").glob("*.json.gz")),
-               "model": preset if not smoke else "tiny (smoke)", "ep": ep, "dtype": dtype,
+               "traces": sorted(str(p) for p in traces.glob("*.json.gz")),
+               "model": layer, "ep": ep, "dtype": dtype,
+               "hardware": {"device": device_name, "backend": backend.name, "arch": backend.arch,
+                            "interconnect": sig, "ranks": ep},
                "results": {str(T): r for T, r in results.items()},
                "hidden": cfg.hidden_size, "top_k": cfg.top_k}
     (out / f"sweep_{backend.name}_{backend.arch}_{sig}_ep{ep}.json").write_text(
@@ -139,6 +171,10 @@ def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], ou
     if bar:
         bar.finish(f"{len(seq_lens)} lengths x {len(chunks)} chunk counts on {backend.name} x{ep}")
     return summary
+
+
+CPU_NOTE = ("not written: CPU ranks check that the tuner runs; their timings say nothing about "
+            "a GPU's overlap")
 
 
 def smoke_model():

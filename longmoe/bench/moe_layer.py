@@ -10,6 +10,9 @@ forward/dgrad/wgrad calls on the rows one rank receives). Then
 
     hidden fraction = (T_nochunk - T_chunk) / min(T_comm, T_gemm)
 
+which cannot exceed 1 (no schedule hides more than the smaller of the two); a larger quotient is
+timing noise (a CPU run, a tiny layer) and is reported as noise, not as a fraction (`hidden_fraction`).
+
 With `baseline="megatron"`, the same layer with megatron-core's all-to-all token
 dispatcher in place of the pipeline (`megatron_moe.py`), on the first transport's process group,
 timed the same way.
@@ -19,12 +22,15 @@ Legend: T local tokens per rank, K top-k, H hidden, C chunks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gzip
 import os
 import shutil
 import statistics
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -96,9 +102,20 @@ def _gemm_alone(moe, rows, H, device, dtype, impl="auto", rows_impl="auto"):
     return run
 
 
+def hidden_fraction(base_ms: float, best_ms: float, comm_ms: float,
+                    gemm_ms: float) -> tuple[float, bool]:
+    """(hidden fraction clamped to [0, 1], whether the quotient fell outside it: noise)."""
+    f = (base_ms - best_ms) / min(comm_ms, gemm_ms)
+    return min(max(f, 0.0), 1.0), not 0.0 <= f <= 1.0
+
+
 def _rank(rank, world, backend, spec):
     from longmoe.parallel.expert_parallel import ExpertDispatcher, plan_routes
     from longmoe.parallel.moe_pipeline import ChunkPipeline
+    if backend.device_type == "cpu":
+        # CPU ranks share the host's cores: each with a thread per core oversubscribes them, and a
+        # tiny layer's step went from ~15 ms to ~1.5 s (2 ranks on 2 cores).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = model_from_dict(spec["model"])
     dtype = getattr(torch, spec["dtype"])
     device = backend.device(rank)
@@ -181,11 +198,35 @@ def _trace(step, backend, path: Path):
     step()
     backend.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.device_type != "cpu" else [])
-    with profile(activities=acts) as prof:
-        step()
-        backend.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
+    with _without_profiler_chatter():
+        with profile(activities=acts) as prof:
+            step()
+            backend.synchronize()
+        prof.export_chrome_trace(str(path))
+
+
+# kineto's own progress lines ("USDT: ... profiler_start", "STAGE: ...", "INFO: ..."), which it
+# writes to file descriptor 2 from C++ at its default log level; its warnings and errors pass.
+_CHATTER = ("USDT:", "STAGE:", "INFO:")
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(ln for ln in lines if not ln.startswith(_CHATTER)))
+            sys.stderr.flush()
 
 
 def merge(per_rank: list[list[dict]]) -> list[dict]:
@@ -234,9 +275,10 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
         if dflt in layer:
             s.update(default_ms=layer[dflt]["ms"], speedup_default=base / layer[dflt]["ms"] - 1)
         if comm and gemm:
+            frac, noise = hidden_fraction(base, layer[best_c]["ms"], comm["ms"], gemm["ms"])
             s.update(comm_ms=comm["ms"], gemm_ms=gemm["ms"],
-                     comm_GBps=comm["bytes"] / comm["ms"] / 1e6,
-                     hidden_fraction=(base - layer[best_c]["ms"]) / min(comm["ms"], gemm["ms"]))
+                     comm_GBps=comm["bytes"] / comm["ms"] / 1e6, hidden_fraction=frac,
+                     hidden_noise=noise)
         out.append(s)
     return out
 
@@ -319,11 +361,11 @@ def markdown_table(report: dict) -> str:
     head += ["megatron vs unpipelined"] if mega and direct else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summ:
-        hidden = s.get("hidden_fraction")
+        frac = s.get("hidden_fraction")
         cells = [s["transport"], s["priority"], s["T"], _ms(s["nochunk_ms"]), s["best_chunks"],
                  _ms(s["best_ms"]), _pct(s["speedup_best"]), s["default_chunks"],
                  _pct(s.get("speedup_default")), _ms(s.get("comm_ms")), _ms(s.get("gemm_ms")),
-                 "" if hidden is None else f"{hidden:.0%}",
+                 "" if frac is None else "noise" if s.get("hidden_noise") else f"{frac:.0%}",
                  f"{s['nochunk_peak_gib']:.2f} -> {s['best_peak_gib']:.2f}"]
         cells += [_ms(s.get("direct_ms"))] if direct else []
         if mega:
