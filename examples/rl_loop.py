@@ -33,12 +33,8 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-# On CPU: transformers binds Gated DeltaNet to flash-linear-attention when it imports, and its
-# kernels need a GPU; hiding it keeps transformers on its own torch path.
-sys.modules.setdefault("fla", None)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 TASKS = ("sort", "reverse", "copy")
 

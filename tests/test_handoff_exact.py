@@ -8,7 +8,6 @@ field; float fields stay floats through --set and config.json."""
 
 import dataclasses
 import json
-import sys
 import warnings
 
 import pytest
@@ -25,19 +24,10 @@ P, R, N = 4, 12, 3  # prompt and response tokens of each of N samples
 
 
 def _hf_classes():
-    """(config class, model class) per model type. transformers binds Gated DeltaNet to fla when
-    that imports (fla's kernels need a GPU): while its model modules import, `import fla` fails."""
-    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
-    for k in saved:
-        del sys.modules[k]
-    sys.modules["fla"] = None
-    try:
-        from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
+    """(config class, model class) per model type."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
     return {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
             "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)}
 
@@ -287,7 +277,6 @@ def test_whole_number_overrides_stay_floats_and_export_loads(tmp_path):
     assert [type(v) for v in (m.router_aux_loss_coef, m.rms_norm_eps, m.rope_theta)] == [float] * 3
     pt = _trainer(_cut(m).replace(init_std=0.02))
     pt.export_hf(tmp_path)
-    _hf_classes()  # transformers' model modules imported with fla hidden, before the auto class
     conf = json.loads((tmp_path / "config.json").read_text())
     assert isinstance(conf["router_aux_loss_coef"], float) and conf["rms_norm_eps"] == 1.0
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()

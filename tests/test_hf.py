@@ -2,10 +2,8 @@
 recurrence, logits against transformers for both model types, export back into transformers,
 a sharded (EP + FSDP2, 2 gloo ranks) load and export, and bad checkpoints."""
 
-import contextlib
 import json
 import random
-import sys
 import warnings
 
 import pytest
@@ -52,28 +50,10 @@ def test_chunked_gated_delta_matches_recurrence(T, Hk, Hv, with_state, decay):
             assert err < 1e-4, (n, err, seed)
 
 
-@contextlib.contextmanager
-def _hide_fla():
-    """transformers binds Gated DeltaNet to fla (flash-linear-attention) when that package imports,
-    whatever the device; fla's kernels need a GPU (the dev extra installs fla-core for its compile
-    check). While transformers' model modules import, make `import fla` fail so they bind their
-    own torch path; fla itself stays importable afterwards."""
-    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
-    for k in saved:
-        del sys.modules[k]
-    sys.modules["fla"] = None
-    try:
-        yield
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
-
-
 def _tiny_hf(kind, seed=0):
     from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
-    with _hide_fla():
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     common = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)

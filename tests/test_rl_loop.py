@@ -79,17 +79,11 @@ def test_reward_rises_and_every_hand_off_matches_transformers(tmp_path):
 
 
 def _example():
-    """The example as a module, without leaving its hiding of flash-linear-attention (for the
-    transformers it drives) on the rest of the test process."""
-    had = "fla" in sys.modules
+    """The example as a module."""
     spec = importlib.util.spec_from_file_location("rl_loop_example", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve their module's namespace through it
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        if not had:
-            sys.modules.pop("fla", None)
+    spec.loader.exec_module(mod)
     return mod
 
 
