@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "micro-batches vs padded rows vs full single-sample rows")
     # Defaults: longmoe.bench.packing.FULL (SMOKE with --smoke); flags given win over both.
     bk.add_argument("--config", help="base run config (YAML or recipe name; default gpu_smoke)")
-    bk.add_argument("--nproc", type=int)
+    bk.add_argument("--nproc", type=int,
+                    help="ranks per arm (default: the config's train.nproc; 1 with --smoke)")
     bk.add_argument("--samples", type=int, help="samples of the packed arm's step (default 64)")
     bk.add_argument("--mean", type=int, help="mean response tokens, log-normal (default 6144)")
     bk.add_argument("--max-len", type=int,

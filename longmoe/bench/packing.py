@@ -33,13 +33,15 @@ from longmoe.bench import write_json_and_table
 from longmoe.bench.train_path import _rows, _run
 
 # The full-size run: one H200 rank's share of a 64-sample GRPO step (mean response 6K tokens,
-# at most 32K with the prompt) in micro-batches of 32K tokens.
+# at most 32K with the prompt) in micro-batches of 32K tokens. "nproc": None runs the config's
+# own train.nproc (after the --set overrides), which its parallel layout was written for.
 FULL = {"config": "gpu_smoke", "samples": 64, "mean": 6144, "max_len": 32768, "budget": 32768,
         "prompt_len": 1024, "steps": 2, "padded_samples": 6, "ref_samples": 2,
-        "row_multiple": 1024, "nproc": 1, "extra": {}}
+        "row_multiple": 1024, "nproc": None, "extra": {}}
+# The smoke run: one CPU rank (EP 1), whatever the config's layout.
 SMOKE = {"config": "cpu_demo", "samples": 8, "mean": 24, "max_len": 96, "budget": 128,
          "prompt_len": 8, "steps": 2, "padded_samples": 4, "ref_samples": 2, "row_multiple": 1,
-         "nproc": 1, "extra": {"parallel.ep": 1, "data.group_size": 4}}
+         "nproc": None, "extra": {"parallel.ep": 1, "train.nproc": 1, "data.group_size": 4}}
 
 
 def arms(samples: int, mean: int, max_len: int, budget: int, prompt_len: int,
@@ -88,11 +90,18 @@ def _summary(rows: list[dict]) -> dict:
             "steps_timed": len(timed)}
 
 
-def run_bench(config: str, nproc: int, samples: int, mean: int, max_len: int, budget: int,
+def config_nproc(config: str, extra: dict) -> int:
+    """The ranks a run of `config` with the `--set` overrides `extra` starts: its train.nproc."""
+    from longmoe.train.config import load_run_config
+    return load_run_config(config, [f"{k}={v}" for k, v in extra.items()]).train.nproc
+
+
+def run_bench(config: str, nproc: int | None, samples: int, mean: int, max_len: int, budget: int,
               prompt_len: int, steps: int, padded_samples: int, ref_samples: int,
               row_multiple: int, extra: dict, timeout: int, out: str | None = None) -> dict:
     from longmoe.backends import active_backend
     backend = active_backend()
+    nproc = nproc if nproc is not None else config_nproc(config, extra)
     report = {"bench": "packing", "config": config, "nproc": nproc, "samples": samples,
               "response_len": f"lognormal:{mean}:{max_len - prompt_len}",
               "prompt_len": prompt_len, "max_len": max_len, "budget": budget,
