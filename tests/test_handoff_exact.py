@@ -265,6 +265,13 @@ def test_load_hf_inverts_the_export(tmp_path):
                                         r"qwen3_5_moe_text \(chosen by "
                                         r"model\.shared_expert_ffn_size\)"):
         load_hf(MoETransformer(_case("preset:tiny")), tmp_path / "offset:qwen3")
+    # train.init_hf: the same check before any rank starts
+    from longmoe.train.config import load_run_config
+    from longmoe.train.launch import check_hf_init
+    run = load_run_config(None, [f"train.init_hf={tmp_path / 'offset:qwen3'}"])
+    with pytest.raises(UserError, match=r"model_type 'qwen3_moe'; the model config computes"):
+        check_hf_init(dataclasses.replace(run, model=_case("preset:tiny")))
+    check_hf_init(dataclasses.replace(run, model=_case("offset:qwen3")))
 
 
 # ---- declared types ------------------------------------------------------------------------

@@ -102,9 +102,9 @@ def check_hf_init(run: RunConfig):
     from pathlib import Path
 
     from longmoe.config import from_hf_config
-    from longmoe.model.hf import _Store
+    from longmoe.model.hf import _import_shift, _Store
     path = Path(run.train.init_hf)
-    _Store(path)
+    _import_shift(_Store(path), run.model)  # its model_type is the architecture of run.model
     theirs = from_hf_config(path / "config.json")
     for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "num_experts", "top_k", "moe_ffn_size", "shared_expert_ffn_size", "layer_types"):
