@@ -12,7 +12,8 @@ Field names are those of a JSONL object or Parquet row:
   old_logprobs                per response token (optional; missing means on-policy)
   ref_logprobs                per response token (optional; the reference policy, for KL terms)
   rollout_logprobs            per response token (optional; the inference engine's, for TIS)
-  loss_mask                   0/1 per response token (optional; missing means all trained)
+  loss_mask                   0/1 or true/false per response token (optional; missing means all
+                              trained)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Sample:
     old_logprobs: torch.Tensor | None = None    # [R] float32
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
-    loss_mask: torch.Tensor | None = None       # [R] bool
+    loss_mask: torch.Tensor | None = None       # [R] bool (the API also takes 0/1 numbers)
     index: int = 0
     where: str = ""
 
