@@ -135,15 +135,15 @@ def reference(preset, tmp, lr=1e-2):
     return pt, path
 
 
-def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1):
+def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=()):
     """verl's TrainingWorker over the longmoe engine, as ActorRolloutRefWorker.init_model
-    builds its actor, with verl's ppo_loss as the loss."""
+    builds its actor, with verl's ppo_loss as the loss; `extra`: more longmoe overrides."""
     actor = LongMoEActorConfig(
         strategy="longmoe", rollout_n=1, ppo_mini_batch_size=mini_batch, use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=max_tokens, ppo_epochs=epochs, clip_ratio=0.2,
         loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
         optim=OptimizerConfig(lr=lr, weight_decay=0.01, betas=(0.9, 0.95), clip_grad=1.0),
-        longmoe=LongMoEEngineConfig(strategy="longmoe", overrides=overrides(preset),
+        longmoe=LongMoEEngineConfig(strategy="longmoe", overrides=overrides(preset) + list(extra),
                                     dtype="float32"))
     model = HFModelConfig(path=str(path), load_tokenizer=False)
     cfg = TrainingWorkerConfig(model_type="language_model", model_config=model,
@@ -356,3 +356,71 @@ def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
     assert ref.strategy == "longmoe" and ref.engine.forward_only
     assert ref.engine.overrides == ["parallel.ep=2"]
     assert cfg.critic.strategy == "fsdp"
+
+
+def test_rollout_weights_in_transformers_give_the_same_logprobs(verl_env):
+    """get_per_tensor_param's tensors loaded into transformers' Qwen3.5-MoE: its teacher-forced
+    log-probs equal verl's infer_batch through the engine."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    from longmoe.model.hf import hf_config
+    from longmoe.rl.weights import load_into_hf_model
+    pt, path = reference("tiny-hybrid", verl_env)
+    w = worker(path, "tiny-hybrid")
+    conf = {k: v for k, v in hf_config(pt.run.model, "float32").items()
+            if k not in ("model_type", "architectures")}
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**conf)).eval()
+    gen, _ = w.engine.get_per_tensor_param()
+    load_into_hf_model(hf, [list(gen)], pt.run)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=3, seed=4)
+    lp, _, _ = verl_logprobs(w, td, 64, entropy=False)
+    for i, s in enumerate(samples):
+        ids = torch.cat([s.prompt, s.response])[None]
+        with torch.no_grad():
+            logits = hf(ids).logits[0].float()
+        P, R = s.prompt_len, s.response.numel()
+        want = torch.log_softmax(logits, -1)[P - 1:P + R - 1].gather(-1, s.response[:, None])[:, 0]
+        assert torch.allclose(lp[i, :R], want, atol=1e-4, rtol=0), i
+
+
+def _two_ranks(rank, world, backend, path, data, budget):
+    """One rank of verl's data-parallel group: its contiguous share of the batch (as verl's
+    dispatch deals it), EP 2 over FSDP2. Returns its log-probs and the train step's metrics."""
+    os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+    platform_manager.set_platform(HostPlatform())
+    w = worker(path, "tiny", max_tokens=budget, extra=["parallel.ep=2"])
+    td = TensorDict(data, batch_size=[data["prompts"].shape[0]])
+    n = td.batch_size[0] // world
+    mine = td[rank * n:(rank + 1) * n]
+    lp, _, _ = verl_logprobs(w, mine, budget, entropy=False)
+    batch = left_right_2_no_padding(mine.clone())
+    tu.assign_non_tensor(batch, global_batch_size=td.batch_size[0],
+                         mini_batch_size=td.batch_size[0], epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
+                         temperature=1.0)
+    out = tu.get(w.train_mini_batch(batch), "metrics")
+    return lp, out["loss"], out["grad_norm"]
+
+
+def test_two_gloo_ranks_ep2_equal_one_process(verl_env):
+    """2 gloo ranks (EP 2 x FSDP2), each with its half of the batch through verl's worker: the
+    log-probs, and the train step's loss and gradient norm, equal one process's PolicyTrainer
+    on the whole batch."""
+    from longmoe.api import run_local
+    pt, path = reference("tiny", verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=5)
+    td, with_old = _train_inputs(pt, td, samples)
+    want_lp = pt.compute_logprobs(samples)
+    want = pt.forward_backward(with_old)
+    want_step = pt.optim_step()
+    data = {k: td[k] for k in td.keys()}
+    got = run_local(_two_ranks, 2, str(path), data, 20)
+    lp = torch.cat([g[0] for g in got])
+    for i, s in enumerate(samples):
+        R = s.response.numel()
+        assert torch.allclose(lp[i, :R], want_lp[i], atol=1e-5, rtol=0), i
+    for _, loss, gnorm in got:
+        assert loss[0] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+        assert gnorm[0] == pytest.approx(want_step["grad_norm"], rel=1e-5)
