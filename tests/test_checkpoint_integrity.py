@@ -351,12 +351,23 @@ def test_old_copy_named_by_latest_mid_resave_counts_and_is_kept(runs, tmp_path):
 # ---- in-process pieces -------------------------------------------------------------------------
 
 def test_lock_is_exclusive_and_released(tmp_path):
-    from longmoe.errors import UserError
+    """Exclusive between processes; the holding process claims it again (a PolicyTrainer saving
+    inside a one-process run), and the lock drops with this process's last claim."""
+    import subprocess
+    import sys
+
     from longmoe.train.ckpt_dir import claim
+    other = [sys.executable, "-c", "import sys; from longmoe.train.ckpt_dir import claim; "
+                                   "claim(sys.argv[1])", str(tmp_path / "ck")]
     first = claim(tmp_path / "ck")
-    with pytest.raises(UserError, match=f"in use by another run \\(pid {os.getpid()} on"):
-        claim(tmp_path / "ck")
+    again = claim(tmp_path / "ck")
+    assert not first.shared and again.shared
     first.release()
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert f"in use by another run (pid {os.getpid()} on" in refused.stderr, refused.stderr
+    again.release()
+    assert subprocess.run(other, capture_output=True, text=True, timeout=120).returncode == 0
     claim(tmp_path / "ck").release()
 
 
