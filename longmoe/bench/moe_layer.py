@@ -31,6 +31,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -109,13 +110,21 @@ def hidden_fraction(base_ms: float, best_ms: float, comm_ms: float,
     return min(max(f, 0.0), 1.0), not 0.0 <= f <= 1.0
 
 
+def _cores() -> int:
+    """The cores this process may run on (a CPU set or container limit, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
 def _rank(rank, world, backend, spec):
     from longmoe.parallel.expert_parallel import ExpertDispatcher, plan_routes
     from longmoe.parallel.moe_pipeline import ChunkPipeline
     if backend.device_type == "cpu":
         # CPU ranks share the host's cores: each with a thread per core oversubscribes them, and a
         # tiny layer's step went from ~15 ms to ~1.5 s (2 ranks on 2 cores).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, _cores() // world))
     cfg = model_from_dict(spec["model"])
     dtype = getattr(torch, spec["dtype"])
     device = backend.device(rank)
@@ -199,7 +208,9 @@ def _trace(step, backend, path: Path):
     backend.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.device_type != "cpu" else [])
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _without_profiler_chatter():
+    with _without_profiler_chatter(), warnings.catch_warnings():
+        # the profiler's advice on its own cycles (torch 2.11: "Profiler clears events ...")
+        warnings.simplefilter("ignore", UserWarning)
         with profile(activities=acts) as prof:
             step()
             backend.synchronize()
