@@ -254,7 +254,12 @@ def test_jsonl_run_packs_the_rows(quick, workdir):
            for pick in picks]
     assert [r["trained_tokens"] for r in rows] == [len(a) for a in adv]
     assert [r["truncated_samples"] for r in rows] == [1, 0]  # row 2, in step 1
-    assert "1 truncated (line 3)" in " ".join(p.stdout.split())
+    # stdout is a pipe here: every line whole, however long (no fold at the console's width)
+    steps = [ln for ln in p.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 2 and "imbalance" in steps[1], p.stdout
+    assert steps[0].rstrip().endswith("data.overlong: 0 dropped, 1 truncated") and \
+        len(steps[0]) > 160, p.stdout
+    assert any("1 truncated (line 3)" in ln for ln in p.stdout.splitlines()), p.stdout
     # On-policy step: ratio 1, the clipped surrogate is -mean(advantage) over trained tokens.
     assert rows[0]["loss"] == pytest.approx(-sum(adv[0]) / len(adv[0]), rel=1e-5, abs=1e-6)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -74,7 +75,14 @@ def _skip_note(m: dict) -> str:
 class Progress:
     def __init__(self, enabled: bool, total_steps: int, metrics_out: str | None, memory_label: str):
         self.enabled, self.total = enabled, total_steps
-        self.console = Console(stderr=False, highlight=False, width=160)
+        # A log (stdout a file or a pipe) gets every line whole: rich would otherwise fold lines
+        # at the console's width, splitting a step line in two for whoever parses the log. A
+        # terminal gets the same 160 columns as before (tables are laid out to that width).
+        # No markup: the lines carry text such as a tuning-cache key in brackets, which rich
+        # would take for a style tag and drop.
+        tty = sys.stdout.isatty()
+        self.console = Console(stderr=False, highlight=False, markup=False, width=160,
+                               soft_wrap=not tty)
         self.rows: list[dict] = []
         self.memory_label = memory_label
         self.t0 = time.perf_counter()
