@@ -139,7 +139,8 @@ def tune_chunks(preset: str, ep: int, seq_lens: list[int], chunks: list[int], ou
                            dtype, T)
             entries[key] = {**{k: res[k] for k in ("chunks", "transport", "ms", "nochunk_ms",
                                                     "speedup")},
-                            "hidden_fraction": res.get("hidden_fraction"), "local_tokens": T,
+                            "hidden_fraction": res.get("hidden_fraction"),
+                            "hidden_noise": res.get("hidden_noise"), "local_tokens": T,
                             "chunk_by": rep["chunk_by"],
                             "device": rep["device"], "date": rep["date"],
                             "torch": rep["versions"].get("torch")}

@@ -11,7 +11,7 @@ forward/dgrad/wgrad calls on the rows one rank receives). Then
     hidden fraction = (T_nochunk - T_chunk) / min(T_comm, T_gemm)
 
 which cannot exceed 1 (no schedule hides more than the smaller of the two); a larger quotient is
-timing noise (a CPU run, a tiny layer) and is reported as noise, not as a fraction (`hidden_fraction`).
+timing noise (a CPU run, a tiny layer), reported as noise, not as a fraction (`hidden_fraction`).
 
 With `baseline="megatron"`, the same layer with megatron-core's all-to-all token
 dispatcher in place of the pipeline (`megatron_moe.py`), on the first transport's process group,
