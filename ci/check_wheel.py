@@ -259,6 +259,7 @@ def imports(venv: Path, work: Path, expected: set[str]):
 
 
 def demo(venv: Path, work: Path):
+    (work / "demo.jsonl").unlink(missing_ok=True)  # --keep reuses the folder
     sh([str(venv / "bin" / "longmoe"), "train", "--config", "cpu_demo", "--steps", "2",
         "--metrics-out", str(work / "demo.jsonl")], cwd=work, env=_clean_env(), timeout=600)
     rows = [json.loads(line) for line in (work / "demo.jsonl").read_text().splitlines()]
