@@ -424,3 +424,72 @@ def test_two_gloo_ranks_ep2_equal_one_process(verl_env):
     for _, loss, gnorm in got:
         assert loss[0] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
         assert gnorm[0] == pytest.approx(want_step["grad_norm"], rel=1e-5)
+
+
+def _example():
+    """examples/rl_loop.py (its toy task, transformers rollout engine and GRPO advantages)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "rl_loop_example", Path(__file__).parents[1] / "examples" / "rl_loop.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def grpo_through_verl(tmp, lr, iterations, prompts=16, group=8, seed=0):
+    """A GRPO loop through verl's worker API: weights to a transformers rollout engine from
+    get_per_tensor_param, generation, rewards and group advantages, old log-probs from
+    infer_batch, then train_mini_batch (2 mini-batches). Returns the mean reward per
+    iteration."""
+    from longmoe.rl.weights import load_into_hf_model
+    ex = _example()
+    task = ex.Task("sort", 6, 4)
+    sets = ["model.preset=tiny-hybrid", f"model.vocab_size={task.vocab_size}",
+            "impl.gated_delta=chunked", "train.device=cpu", "loss.kl_coef=0.0",
+            f"train.seed={seed}"]
+    pt = PolicyTrainer.from_config(None, sets)
+    path = tmp / "hf-grpo"
+    if not (path / "config.json").exists():
+        pt.export_hf(path, dtype=torch.float32)
+    w = worker(path, "tiny-hybrid", max_tokens=256, lr=lr, mini_batch=prompts * group // 2,
+               extra=sets[1:])
+    hf = ex.build_engine(pt.run)
+    gen, rewards = torch.Generator().manual_seed(seed), []
+    for it in range(iterations):
+        load_into_hf_model(hf, [list(w.engine.get_per_tensor_param()[0])], pt.run)
+        p = task.prompts(prompts, gen).repeat_interleave(group, 0)
+        r, _ = ex.generate(hf, p, task.length, seed + it)
+        reward = task.rewards(p, r)
+        adv = ex.grpo_advantages(reward.view(prompts, group)).reshape(-1)
+        ones = torch.ones(p.shape[0], p.shape[1] + r.shape[1], dtype=torch.long)
+        td = TensorDict({"prompts": p, "responses": r, "input_ids": torch.cat([p, r], 1),
+                         "attention_mask": ones, "position_ids": compute_position_id_with_mask(ones),
+                         "response_mask": torch.ones_like(r),
+                         "advantages": adv[:, None].expand_as(r).contiguous()},
+                        batch_size=[p.shape[0]])
+        old, _, _ = verl_logprobs(w, td, 256, entropy=False)
+        td["old_log_probs"] = old
+        batch = left_right_2_no_padding(td)
+        n = p.shape[0]
+        tu.assign_non_tensor(batch, global_batch_size=n // 2, mini_batch_size=n // 2, epochs=1,
+                             seed=seed, dataloader_kwargs={"shuffle": True},
+                             calculate_entropy=False, temperature=1.0)
+        w.train_mini_batch(batch)
+        rewards.append(float(reward.mean()))
+    return rewards
+
+
+@pytest.mark.slow
+def test_grpo_loop_through_verl_raises_the_reward(verl_env):
+    """The toy sort task of examples/rl_loop.py: the mean reward of the last 3 iterations beats
+    the first 3's; a control at lr 0 (same prompts and seeds) stays where it started."""
+    got = grpo_through_verl(verl_env, 5e-3, 10, prompts=8)
+    ctl = grpo_through_verl(verl_env, 0.0, 10, prompts=8)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print("GRPO rewards", [round(x, 3) for x in got], "control", [round(x, 3) for x in ctl])
+    rise, drift = mean(got[-3:]) - mean(got[:3]), mean(ctl[-3:]) - mean(ctl[:3])
+    assert ctl[0] == got[0]  # the same prompts, seeds and first policy
+    # measured: rise 0.096 (0.142 -> 0.238), control drift 0.026 (0.136 -> 0.162)
+    assert rise > 0.05 and rise > drift + 0.05 and abs(drift) < 0.05
