@@ -45,6 +45,10 @@ class TorchRows:
         return out.add_(r) if accumulate else out.copy_(r)
 
     @staticmethod
+    def gather_sum_parts(parts, idx, w, K, out, accumulate):
+        return TorchRows.gather_sum(torch.cat(parts), idx, w, K, out, accumulate)
+
+    @staticmethod
     def gather_scale(src, idx, w, y):
         g = src[idx]
         out = g * w[:, None].to(g.dtype)
@@ -81,6 +85,16 @@ class TritonRows:
         from longmoe.ops.kernels.moe_rows import launch_gather_sum
         return launch_gather_sum(src, idx.contiguous(), None if w is None else w.contiguous(),
                                  out, K, accumulate, TritonRows._cfg())
+
+    @staticmethod
+    def gather_sum_parts(parts, idx, w, K, out, accumulate):
+        from longmoe.ops.kernels.moe_rows import MAX_PARTS, launch_gather_sum_parts
+        strides = {p.stride(0) for p in parts if p.shape[0]}
+        if len(parts) > MAX_PARTS or len(strides) > 1:
+            return TritonRows.gather_sum(torch.cat(parts), idx, w, K, out, accumulate)
+        return launch_gather_sum_parts(parts, idx.contiguous(),
+                                       None if w is None else w.contiguous(), out, K, accumulate,
+                                       TritonRows._cfg())
 
     @staticmethod
     def gather_scale(src, idx, w, y):
@@ -138,6 +152,21 @@ def gather_sum(src_MH, idx_A, w_A=None, top_k: int = 1, out=None, accumulate: bo
         src_MH = src_MH.contiguous()
     ops = _ops(src_MH, impl) if _rowwise(out) else TorchRows
     return ops.gather_sum(src_MH, idx_A, w_A, top_k, out, accumulate)
+
+
+def gather_sum_parts(parts: list[torch.Tensor], idx_A, w_A=None, top_k: int = 1, out=None,
+                     accumulate: bool = False, impl: str = "auto") -> torch.Tensor:
+    """gather_sum over the concatenation of `parts` (row buffers of one width and dtype), read
+    where they are: the Triton kernel takes up to four buffers (more are concatenated first, as
+    the reference does). The chunk pipeline's combine on one rank, whose chunks' rows stay where
+    their GEMMs wrote them."""
+    if len(parts) == 1:
+        return gather_sum(parts[0], idx_A, w_A, top_k, out, accumulate, impl)
+    if out is None:
+        out = parts[0].new_empty((idx_A.numel() // top_k, parts[0].shape[1]))
+    if not _rowwise(out, *parts):
+        return gather_sum(torch.cat(parts), idx_A, w_A, top_k, out, accumulate, impl)
+    return _ops(parts[0], impl).gather_sum_parts(parts, idx_A, w_A, top_k, out, accumulate)
 
 
 def gather_scale(src_TH, idx_M, w_M, y_MH=None, impl: str = "auto"):

@@ -37,11 +37,13 @@ Grouped-GEMM offsets come from the route plan on the device: no host list reache
 inside the layer (each would be a stream synchronisation).
 
 One rank (an EP group of one, e.g. the pipeline timed on a single device): no all-to-all moves a
-row, so none is issued. Each chunk gathers its tokens straight into the expert-input buffer, its
-expert outputs and dX rows are the combine's rows as they are (with one chunk) or are copied into
-the layer's row buffer on the comm stream under the next chunk's GEMMs (expert chunks), and the
-source-major <-> expert-major gathers, identities with one source, are skipped. On an H200 at 16K
-tokens those transfers and gathers were 8 full passes over the rows per layer step (+28% at C = 1).
+row, so none is issued, and the source-major <-> expert-major gathers, identities with one
+source, are skipped. Each chunk gathers its tokens straight into the expert-input buffer; its
+expert outputs and dX rows stay where its GEMMs wrote them, and the combines read them there
+(gather_sum_parts: one kernel over up to four chunks' buffers). On an H200 at 16K tokens the
+transfers and gathers were 8 full passes over the rows per layer step (+28% at C = 1), and
+copying each chunk's rows into one buffer cost 0.5 ms at C = 2. Each in-chunk weight gradient's
+slice copy (below) runs on the idle comm stream, beside the next chunk's GEMMs.
 
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
@@ -52,7 +54,8 @@ from __future__ import annotations
 import torch
 
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad, wgrad_fn
-from longmoe.ops.moe_rows import gather_scale, gather_sum, swiglu_backward, swiglu_forward
+from longmoe.ops.moe_rows import (gather_scale, gather_sum, gather_sum_parts, swiglu_backward,
+                                  swiglu_forward)
 from longmoe.parallel.routing import RoutePlan, inverse_permutation, source_major_to_expert_major
 
 
@@ -273,9 +276,14 @@ class _PipelinedExperts(torch.autograd.Function):
             a0, a1 = pipe.arange(c)
             send = yg if pipe.local else yg[metas[c][2]]
             yg = None  # its gathered copy is what the comm stream sends
-            if by_e and y_A is None:  # one rank, one chunk: the expert outputs are the rows
-                y_A = send if pipe.local and C == 1 else x_TH.new_empty((plan.order_A.numel(), H))
-            comb[c] = y_A[a0:a1] if by_e else send if pipe.local else x_TH.new_empty((a1 - a0, H))
+            if pipe.local:  # one rank: the rows stay where the chunk's GEMM wrote them
+                comb[c] = send
+            elif by_e:
+                if y_A is None:
+                    y_A = x_TH.new_empty((plan.order_A.numel(), H))
+                comb[c] = y_A[a0:a1]
+            else:
+                comb[c] = x_TH.new_empty((a1 - a0, H))
             c_mark[c] = pipe.a2a(comb[c], send, c, reverse=True)
             send = None
             if c + 2 < C:
@@ -284,12 +292,13 @@ class _PipelinedExperts(torch.autograd.Function):
                 accumulate(c - 1)
             hs.append(h)
         if by_e:  # every chunk's combine lands in _FinishCombine, reduced there at once
-            pipe.last = (c_mark[C - 1], (0, x_TH.shape[0]), pipe.tk_all, y_A, w_A)
+            pipe.last = (c_mark[C - 1], (0, x_TH.shape[0]), pipe.tk_all,
+                         comb if pipe.local else [y_A], w_A)
         else:
             a0, a1 = pipe.arange(C - 1)
             s, e = plan.bounds[C - 1]
             y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
-            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], comb[C - 1], w_A[a0:a1])
+            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], [comb[C - 1]], w_A[a0:a1])
         if c_mark[C - 1] is not None:
             st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_A, w_in, w_out, xg_all, *hs)
@@ -339,16 +348,15 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def combine_buffer(c, send):
             a0, a1 = pipe.arange(c)
-            if not by_e:
+            if pipe.local or not by_e:  # one rank: the dX rows stay where the GEMM wrote them
                 gx_A[c] = send if pipe.local else g_TH.new_empty((a1 - a0, H))
                 return gx_A[c]
-            if gx_A[0] is None:  # one rank, one chunk: the dX rows are the combine's rows
-                gx_A[0] = (send if pipe.local and C == 1
-                           else g_TH.new_empty((plan.order_A.numel(), H)))
+            if gx_A[0] is None:
+                gx_A[0] = g_TH.new_empty((plan.order_A.numel(), H))
             return gx_A[0][a0:a1]
 
         wgrads = {}  # the GEMM implementation chosen once per weight, not per chunk (host time)
-        moves = []  # one rank: a chunk's copies, issued together at the end of its step
+        moves = []  # one rank: a chunk's dW slice copies, issued together at the end of its step
 
         def wgrad_into(dw, ex, x, dy, w, rows, offs):
             if id(w) not in wgrads:
@@ -402,10 +410,8 @@ class _PipelinedExperts(torch.autograd.Function):
             send = gxg if pipe.local else gxg[metas[c][2]]
             gxg = None  # only its gathered copy travels
             buf = combine_buffer(c, send)
-            if pipe.local:  # the router weights' rows are small: copied in place
+            if pipe.local:  # the dX rows stay in place; the router weights' rows are small
                 gw_A[a0:a1].copy_(gw_e)
-                if buf.data_ptr() != send.data_ptr():
-                    moves.append((buf, send))
             else:
                 c_mark[c] = pipe.a2a(buf, send, c, reverse=True)
                 pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
@@ -413,8 +419,8 @@ class _PipelinedExperts(torch.autograd.Function):
             if now and gh is not None:  # dW_in under this chunk's combine
                 dw_in = wgrad_into(dw_in, ex, xg_all[rs[c]], gh, w_in, rows, offs)
             gh = None
-            if moves:
-                c_mark[c] = pipe.copy_beside(moves)
+            if moves:  # waited for once, before the gradients are returned
+                pipe.copy_beside(moves)
                 moves.clear()
             if c + 2 < C:
                 dispatch(c + 2)
@@ -427,7 +433,8 @@ class _PipelinedExperts(torch.autograd.Function):
             del gh_all
         if by_e:  # each token's dX rows came back over several chunks: sum them now
             st.compute_waits(c_mark[C - 1])
-            gather_sum(gx_A[0], pipe.tk_all, None, K, out=gx_TH, impl=pipe.rows_impl)
+            gather_sum_parts(gx_A if pipe.local else gx_A[:1], pipe.tk_all, None, K, out=gx_TH,
+                             impl=pipe.rows_impl)
         else:
             accumulate(C - 1)
         st.compute_waits(st.mark_comm())  # the router weights' rows and any dW slice copies
@@ -450,8 +457,8 @@ class _FinishCombine(torch.autograd.Function):
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
         out = y_partial + y_fill
-        gather_sum(y_rows, tk, w_rows[tk], pipe.top_k, out=out[s:e], accumulate=True,
-                   impl=pipe.rows_impl)
+        gather_sum_parts(y_rows, tk, w_rows[tk], pipe.top_k, out=out[s:e], accumulate=True,
+                         impl=pipe.rows_impl)
         ctx.pipe = pipe
         return out
 

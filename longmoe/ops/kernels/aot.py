@@ -127,6 +127,14 @@ def _kernel_specs():
                            "WEIGHTED": "constexpr", "ACCUMULATE": "constexpr"},
                           lambda c, a=acc: {"K": 8, "BLOCK_H": c["BLOCK_H"], "WEIGHTED": True,
                                             "ACCUMULATE": a}, "num_warps"))
+        specs.append(("moe_rows", f"gather_sum_parts[{dt}]+acc", mr.gather_sum_parts_kernel,
+                      {**{f"p{i}": f"*{dt}" for i in range(4)}, "s1": "i32", "s2": "i32",
+                       "s3": "i32", "idx_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": f"*{dt}",
+                       "H": "i32", "stride_src": "i32", "stride_out": "i32", "K": "constexpr",
+                       "BLOCK_H": "constexpr", "WEIGHTED": "constexpr",
+                       "ACCUMULATE": "constexpr"},
+                      lambda c: {"K": 8, "BLOCK_H": c["BLOCK_H"], "WEIGHTED": True,
+                                 "ACCUMULATE": True}, "num_warps"))
         specs.append(("moe_rows", f"gather_scale[{dt}]+dot", mr.gather_scale_kernel,
                       {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "w_ptr": "*fp32",
                        "out_ptr": f"*{dt}", "y_ptr": f"*{dt}", "dot_ptr": "*fp32", "H": "i32",

@@ -7,6 +7,8 @@ All arithmetic in fp32; results rounded once to the output's dtype.
 
   gather_sum     out[t] (+)= sum_k w[t*K + k] * src[idx[t*K + k]]    programs over (t, H block)
                  (the combine; unweighted, the dispatch's gradient)
+  gather_sum_parts  the same over rows left in up to four buffers, read in place (one rank's
+                 chunks)
   gather_scale   out[i] = w[i] * src[idx[i]], and dot[i] = <src[idx[i]], y[i]>   a program per row
                  (the combine's gradient: rows for the experts and the router weights' gradient)
   swiglu         a = silu(gate) * up over h = [gate | up]                programs over (M, F) tiles
@@ -33,6 +35,36 @@ def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, stride_src, stride_ou
     for k in tl.static_range(K):
         r = tl.load(idx_ptr + t * K + k).to(tl.int64)
         v = tl.load(src_ptr + r * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(w_ptr + t * K + k).to(tl.float32)
+        acc += v
+    out = out_ptr + t.to(tl.int64) * stride_out + cols
+    if ACCUMULATE:
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Row buffers one gather_sum_parts launch reads (more fall back to one buffer: a copy).
+MAX_PARTS = 4
+
+
+@triton.jit(do_not_specialize=["s1", "s2", "s3"])
+def gather_sum_parts_kernel(p0, p1, p2, p3, s1, s2, s3, idx_ptr, w_ptr, out_ptr, H, stride_src,
+                            stride_out, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                            WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """gather_sum over rows that sit in up to four buffers, row r of the whole in buffer p_i
+    (row r - s_i) for s_i <= r < s_{i+1} (s_0 = 0; unused buffers get s_i past every row)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for k in tl.static_range(K):
+        r = tl.load(idx_ptr + t * K + k).to(tl.int64)
+        src = p0 + r * stride_src
+        src = tl.where(r >= s1, p1 + (r - s1) * stride_src, src)
+        src = tl.where(r >= s2, p2 + (r - s2) * stride_src, src)
+        src = tl.where(r >= s3, p3 + (r - s3) * stride_src, src)
+        v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
         if WEIGHTED:
             v = v * tl.load(w_ptr + t * K + k).to(tl.float32)
         acc += v
@@ -113,6 +145,29 @@ def launch_gather_sum(src, idx, w, out, K: int, accumulate: bool, cfg: dict):
     gather_sum_kernel[(T, triton.cdiv(H, block))](
         src, idx, w if w is not None else idx, out, H, src.stride(0), out.stride(0), K=K,
         BLOCK_H=block, WEIGHTED=w is not None, ACCUMULATE=accumulate,
+        **active_backend().launch_options(cfg, "num_warps"))
+    return out
+
+
+def launch_gather_sum_parts(parts, idx, w, out, K: int, accumulate: bool, cfg: dict):
+    """`parts`: at most MAX_PARTS row buffers of one dtype and width, unit column stride, one row
+    stride, read as their concatenation."""
+    T, H = out.shape
+    if T == 0:
+        return out
+    live = [p for p in parts if p.shape[0]] or parts[:1]
+    ptrs, starts, n = [], [], 0
+    for p in parts:
+        if p.shape[0]:
+            ptrs.append(p)
+            starts.append(n)
+        n += p.shape[0]
+    ptrs += [live[0]] * (MAX_PARTS - len(ptrs))
+    starts += [2**31 - 1] * (MAX_PARTS - len(starts))
+    block = min(cfg["BLOCK_H"], triton.next_power_of_2(H))
+    gather_sum_parts_kernel[(T, triton.cdiv(H, block))](
+        *ptrs, *starts[1:], idx, w if w is not None else idx, out, H, live[0].stride(0),
+        out.stride(0), K=K, BLOCK_H=block, WEIGHTED=w is not None, ACCUMULATE=accumulate,
         **active_backend().launch_options(cfg, "num_warps"))
     return out
 
