@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 moe() { python3 -m longmoe bench moe-layer --nproc 1 --transports process_group "$@" 2>&1 | grep "^|" | tail -4; }
 case "${PART:-1}" in
   1)
-    moe --tokens 16384,32768,65536 --chunks 1,4 --baseline megatron --out "$OUT/moe_layer.json"
+    moe --tokens 16384,32768,65536 --chunks 1,2,4 --iters 10 --baseline megatron --out "$OUT/moe_layer.json"
     for w in auto delayed; do
       moe --tokens 16384,32768,65536 --chunks 1,2,4,8 --wgrad $w --out "$OUT/moe_layer_wgrad_$w.json"
     done
