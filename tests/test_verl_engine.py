@@ -135,7 +135,7 @@ def reference(preset, tmp, lr=1e-2):
     return pt, path
 
 
-def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=()):
+def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=(), fused=True):
     """verl's TrainingWorker over the longmoe engine, as ActorRolloutRefWorker.init_model
     builds its actor, with verl's ppo_loss as the loss; `extra`: more longmoe overrides."""
     actor = LongMoEActorConfig(
@@ -144,7 +144,7 @@ def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=(
         loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
         optim=OptimizerConfig(lr=lr, weight_decay=0.01, betas=(0.9, 0.95), clip_grad=1.0),
         longmoe=LongMoEEngineConfig(strategy="longmoe", overrides=overrides(preset) + list(extra),
-                                    dtype="float32"))
+                                    dtype="float32", fused_ppo_loss=fused))
     model = HFModelConfig(path=str(path), load_tokenizer=False)
     cfg = TrainingWorkerConfig(model_type="language_model", model_config=model,
                                engine_config=actor.engine, optimizer_config=actor.optim,
@@ -179,7 +179,8 @@ def ragged(V, prompt_side, n=6, seed=0):
             prompts.append(torch.cat([pi, pad_p]))
             pmask.append(torch.cat([ones_p, zeros_p]))
         responses.append(torch.cat([ri, pad_r]))
-        rmask.append(torch.cat([torch.ones(r, dtype=torch.long), torch.zeros(R - r, dtype=torch.long)]))
+        rmask.append(torch.cat([torch.ones(r, dtype=torch.long),
+                                torch.zeros(R - r, dtype=torch.long)]))
     prompts, responses = torch.stack(prompts), torch.stack(responses)
     attention = torch.cat([torch.stack(pmask), torch.stack(rmask)], 1)
     adv = torch.stack([torch.full((R,), s.advantage) for s in samples]) * torch.stack(rmask)
@@ -344,7 +345,8 @@ def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
             "actor_rollout_ref.actor.longmoe.overrides=['parallel.ep=2']"])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, LongMoEActorConfig) and actor.strategy == "longmoe"
-    assert isinstance(actor.engine, LongMoEEngineConfig) and actor.engine.overrides == ["parallel.ep=2"]
+    assert isinstance(actor.engine, LongMoEEngineConfig)
+    assert actor.engine.overrides == ["parallel.ep=2"]
     ref = cfg.actor_rollout_ref.ref
     with open_dict(ref):  # what ActorRolloutRefWorker.init_model does before converting it
         ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
@@ -465,7 +467,8 @@ def grpo_through_verl(tmp, lr, iterations, prompts=16, group=8, seed=0):
         adv = ex.grpo_advantages(reward.view(prompts, group)).reshape(-1)
         ones = torch.ones(p.shape[0], p.shape[1] + r.shape[1], dtype=torch.long)
         td = TensorDict({"prompts": p, "responses": r, "input_ids": torch.cat([p, r], 1),
-                         "attention_mask": ones, "position_ids": compute_position_id_with_mask(ones),
+                         "attention_mask": ones,
+                         "position_ids": compute_position_id_with_mask(ones),
                          "response_mask": torch.ones_like(r),
                          "advantages": adv[:, None].expand_as(r).contiguous()},
                         batch_size=[p.shape[0]])
@@ -493,3 +496,31 @@ def test_grpo_loop_through_verl_raises_the_reward(verl_env):
     assert ctl[0] == got[0]  # the same prompts, seeds and first policy
     # measured: rise 0.096 (0.142 -> 0.238), control drift 0.026 (0.136 -> 0.162)
     assert rise > 0.05 and rise > drift + 0.05 and abs(drift) < 0.05
+
+
+def test_fused_ppo_loss_equals_verl_ppo_loss(verl_env):
+    """verl's ppo_loss run fused into our LM head and run as verl's own code on our log-probs:
+    the same loss, gradient norm and clip statistics on an off-policy step where the clip and
+    verl's dual clip (c = 3) are active, the mini-batch split into several micro-batches."""
+    pt, path = reference("tiny-hybrid", verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=6, seed=6)
+    td, _ = _train_inputs(pt, td, samples)
+    g = torch.Generator().manual_seed(7)
+    mask = td["response_mask"].float()
+    td["old_log_probs"] = (td["old_log_probs"] + 0.6 * torch.randn(mask.shape, generator=g)) * mask
+    td["advantages"] = 3 * torch.randn(mask.shape, generator=g) * mask
+    got = {}
+    for fused in (True, False):
+        w = worker(path, "tiny-hybrid", max_tokens=24, mini_batch=6, fused=fused)
+        batch = left_right_2_no_padding(td.clone())
+        tu.assign_non_tensor(batch, global_batch_size=6, mini_batch_size=6, epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
+                             temperature=1.0)
+        got[fused] = tu.get(w.train_mini_batch(batch), "metrics")
+        assert w.engine.fused_last == fused
+    a, b = got[True], got[False]
+    assert b["actor/pg_clipfrac"][0] > 0 and b["actor/pg_clipfrac_lower"][0] > 0
+    assert a["loss"][0] == pytest.approx(b["loss"][0], rel=1e-5)
+    assert a["grad_norm"][0] == pytest.approx(b["grad_norm"][0], rel=1e-5)
+    for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss"):
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k

@@ -26,12 +26,16 @@ class LongMoEEngineConfig(EngineConfig):
     """`strategy: longmoe`. run_config: a longmoe run YAML or recipe name (None: defaults);
     overrides: dotted longmoe settings applied after it (["parallel.ep=8", ...]);
     model_from_path: build the model from the verl model path's config.json and load its
-    weights (off: the run config's model section and random init)."""
+    weights (off: the run config's model section and random init); fused_ppo_loss: see
+    longmoe.integrations.verl.fused."""
 
     strategy: str = "longmoe"
     run_config: Optional[str] = None
     overrides: list = field(default_factory=list)
     model_from_path: bool = True
+    # verl's ppo_loss with settings longmoe's objective computes alike runs fused into the LM
+    # head (longmoe/integrations/verl/fused.py); off: always verl's own loss code
+    fused_ppo_loss: bool = True
 
     def __post_init__(self):
         super().__post_init__()

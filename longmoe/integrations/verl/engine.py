@@ -21,8 +21,6 @@ balance loss is added as PolicyTrainer.forward_backward adds it (its mean over m
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -37,6 +35,7 @@ from longmoe.errors import ConfigError, UserError
 from longmoe.integrations.verl.batch import (check_temperature, sequences, to_nested,
                                              to_samples)
 from longmoe.integrations.verl.config import run_config
+from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.train.feed import min_row, pad_multiple
 from longmoe.train.setup import loss_scale
 from longmoe.train.step import local_micro_batch
@@ -67,6 +66,7 @@ class LongMoEEngine(BaseEngine):
         self.mode = None
         self.trainer: PolicyTrainer | None = None
         self.last_step: dict | None = None
+        self.fused_last = False  # whether the last training pass ran verl's loss fused
         # Built here, host only: verl asks for the data-parallel rank before initialize.
         self.run = run_config(engine_config, model_config, optimizer_config)
         if self.run.parallel.cp > 1:
@@ -140,7 +140,8 @@ class LongMoEEngine(BaseEngine):
         if dist.is_initialized():
             dist.all_reduce(n, group=group)
         dp_size = self.get_data_parallel_size()
-        tu.assign_non_tensor(data, batch_num_tokens=int(n.item()), dp_size=dp_size)
+        tokens = int(n.item())
+        tu.assign_non_tensor(data, batch_num_tokens=tokens, dp_size=dp_size)
         micro, indices = prepare_micro_batches(data=data, dp_group=group,
                                                same_micro_num_in_dp=True)
         keep_outputs = forward_only or tu.get_non_tensor_data(data, "return_model_output", False)
@@ -149,20 +150,28 @@ class LongMoEEngine(BaseEngine):
         sync = (not forward_only and isinstance(model, FSDPModule) and M > 1 and layout.world > 1
                 and pt.run.parallel.grad_sync == "step")
         loads = [torch.zeros_like(m.router.last_load) for m in model.moe_layers()]
+        fused = (None if forward_only or not self.engine_config.fused_ppo_loss
+                 else fused_run(loss_function, pt.run, data))
+        self.fused_last = fused is not None
         outputs, total = [], None
         try:
             for j, mb in enumerate(micro):
                 if sync:
                     model.set_requires_gradient_sync(j == M - 1)
-                with torch.no_grad() if forward_only else nullcontext():
-                    loss, aux, out = self._micro_step(mb, loss_function, forward_only, group)
-                    if not forward_only:
-                        # verl's loss carries dp_size (gradients are averaged over data ranks);
-                        # longmoe's scale is the world size (averaged over every rank).
-                        scale = loss_scale(layout)
-                        (loss * (scale / dp_size) + aux * (scale / M)).backward()
-                        both = (loss + aux / M).detach()
-                        total = both if total is None else total + both
+                if fused is not None:  # verl's ppo_loss inside our LM head (fused.py)
+                    loss, aux, out = fused_micro_step(pt, mb, fused, tokens, dp_size, M)
+                elif forward_only:
+                    with torch.no_grad():
+                        loss, aux, out = self._micro_step(mb, loss_function, True, group)
+                else:
+                    loss, aux, out = self._micro_step(mb, loss_function, False, group)
+                    # verl's loss carries dp_size (gradients are averaged over data ranks);
+                    # longmoe's scale is the world size (averaged over every rank).
+                    scale = loss_scale(layout)
+                    (loss * (scale / dp_size) + aux * (scale / M)).backward()
+                if not forward_only:
+                    both = (loss / dp_size + aux / M).detach()
+                    total = both if total is None else total + both
                 for acc, m in zip(loads, model.moe_layers()):
                     acc += m.router.last_load
                 if not keep_outputs:
@@ -176,7 +185,7 @@ class LongMoEEngine(BaseEngine):
                 if isinstance(m, FSDPModule):
                     m.reshard()
         else:
-            self._note_call(total, loads, int(n.item()))
+            self._note_call(total, loads, tokens)
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def _micro_step(self, mb: TensorDict, loss_function, forward_only: bool, group):
