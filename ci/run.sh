@@ -2,7 +2,7 @@
 # The one CI entry point. Every job (local, .ci/run, GitHub Actions, the docker images) calls this.
 #
 #   bash ci/run.sh cpu       [--no-install]   CPU torch + longmoe[dev], doctor, the wheel check,
-#                                             the README test command
+#                                             the README test command, the slow tier (-m slow)
 #   bash ci/run.sh gpu       [--no-install] [--write-golden] [--install-only]
 #                                             in a GPU image: whole test suite on the device, bench
 #                                             smoke (if `longmoe bench` exists), 20-step golden run
@@ -150,6 +150,9 @@ tier_cpu() {
     begin "tests"
     run_tests "$PY" -m pytest -q tests
     end
+    begin "slow tests"
+    run_tests "$PY" -m pytest -q tests -m slow
+    end
     verl_tests
 }
 
@@ -178,8 +181,8 @@ tier_gpu() {
     local backend count
     read -r backend count < <(doctor_devices)
 
-    begin "tests (GPU tests un-skip themselves)"
-    run_tests "$PY" -m pytest -q tests
+    begin "tests, the slow tier too (GPU tests un-skip themselves)"
+    run_tests "$PY" -m pytest -q tests -m "slow or not slow"
     end
 
     begin "bench smoke"

@@ -20,6 +20,16 @@ def test_dot_ci_run_is_the_cpu_tier():
     assert '"$PY" -m pytest -q tests' in (ROOT / "ci" / "run.sh").read_text()
 
 
+def test_the_slow_tier_is_left_out_by_default_and_run_by_the_cpu_tier():
+    opts = re.search(r"^addopts = (.*)$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert "-m 'not slow'" in opts  # the README's plain command is the fast tier
+    run = (ROOT / "ci" / "run.sh").read_text()
+    cpu = run[run.index("tier_cpu() {"):run.index("\n}\n", run.index("tier_cpu() {"))]
+    assert '"$PY" -m pytest -q tests\n' in cpu and '"$PY" -m pytest -q tests -m slow\n' in cpu
+    gpu = run[run.index("tier_gpu() {"):]
+    assert '"$PY" -m pytest -q tests -m "slow or not slow"' in gpu  # the whole suite
+
+
 @pytest.mark.parametrize("script", [".ci/run", "ci/run.sh"])
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / script)], check=True)

@@ -23,6 +23,10 @@ import torch
 
 from longmoe.paired.harness import TOLERANCE, rel_err
 
+# Twelve 3-step training runs, most on 4 ranks: the slow tier. The fast tier keeps one step of
+# each layout against world 1 (test_equivalence.py).
+pytestmark = pytest.mark.slow
+
 LR = 3e-3
 # Step 1's gradients: the paired tests' fp32 tolerance (the layouts agree to 1e-6 here).
 GRAD_TOL = TOLERANCE[torch.float32]
