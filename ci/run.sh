@@ -169,7 +169,7 @@ verl_tests() {
         end
     fi
     begin "tests: verl integration"
-    run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py
+    run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py -m "slow or not slow"
     end
 }
 

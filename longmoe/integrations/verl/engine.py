@@ -37,7 +37,8 @@ from longmoe.integrations.verl.batch import (check_temperature, sequences, to_ne
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.train.feed import min_row, pad_multiple
-from longmoe.train.setup import loss_scale
+from longmoe.api.batches import whole_rows
+from longmoe.train.setup import loss_scale, set_cp_row_length
 from longmoe.train.step import local_micro_batch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -69,16 +70,24 @@ class LongMoEEngine(BaseEngine):
         self.fused_last = False  # whether the last training pass ran verl's loss fused
         # Built here, host only: verl asks for the data-parallel rank before initialize.
         self.run = run_config(engine_config, model_config, optimizer_config)
-        if self.run.parallel.cp > 1:
-            # The per-token log-probs verl's loss reads are whole rows; under CP each rank holds
-            # a zigzag slice, and gathering them would cut the gradient.
-            raise ConfigError("parallel.cp", "context parallelism is not supported under verl's "
-                                             "loss functions yet; use parallel.cp=1")
+        self.cp = self.run.parallel.cp
+        if self.cp > 1 and not engine_config.fused_ppo_loss and not engine_config.forward_only:
+            # verl's own loss reads whole rows of log-probs; under CP each rank holds a zigzag
+            # slice, and gathering them would cut the gradient. The fused loss needs no gather.
+            raise ConfigError("parallel.cp", "context parallelism trains through the fused "
+                                             "ppo_loss only; set longmoe.fused_ppo_loss=true")
+        self._dp_group = None
 
     # ---- setup and modes -----------------------------------------------------------------------
 
     def initialize(self):
         self.trainer = PolicyTrainer(self.run)
+        if self.cp > 1:  # ranks of one CP index across data ranks; every rank makes every group
+            world, rank = dist.get_world_size(), dist.get_rank()
+            for c in range(self.cp):
+                g = dist.new_group(list(range(c, world, self.cp)))
+                if rank % self.cp == c:
+                    self._dp_group = g
         if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
             self.to("cpu", model=self.is_param_offload_enabled,
                     optimizer=self.is_optimizer_offload_enabled,
@@ -116,19 +125,22 @@ class LongMoEEngine(BaseEngine):
 
     # ---- data-parallel queries -----------------------------------------------------------------
 
-    # parallel.cp is 1 (see __init__): every rank is a data rank and holds outputs.
+    # Consecutive ranks share sequences under CP (longmoe.parallel.mesh): rank // cp is the data
+    # rank, and the first rank of each CP group hands its outputs back to verl.
 
     def get_data_parallel_rank(self):
-        return dist.get_rank() if dist.is_initialized() else 0
+        return (dist.get_rank() if dist.is_initialized() else 0) // self.cp
 
     def get_data_parallel_size(self):
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return (dist.get_world_size() if dist.is_initialized() else 1) // self.cp
 
     def get_data_parallel_group(self):
+        if self.cp > 1:
+            return self._dp_group
         return dist.group.WORLD if dist.is_initialized() else None
 
     def is_mp_src_rank_with_outputs(self):
-        return True
+        return (dist.get_rank() if dist.is_initialized() else 0) % self.cp == 0
 
     # ---- forward / backward --------------------------------------------------------------------
 
@@ -153,6 +165,9 @@ class LongMoEEngine(BaseEngine):
         fused = (None if forward_only or not self.engine_config.fused_ppo_loss
                  else fused_run(loss_function, pt.run, data))
         self.fused_last = fused is not None
+        if layout.cp > 1 and not forward_only and fused is None:
+            raise UserError("longmoe engine: under parallel.cp > 1 only verl's ppo_loss with "
+                            "settings the fused path takes can train (docs/integrations/verl.md)")
         outputs, total = [], None
         try:
             for j, mb in enumerate(micro):
@@ -160,6 +175,7 @@ class LongMoEEngine(BaseEngine):
                     model.set_requires_gradient_sync(j == M - 1)
                 if fused is not None:  # verl's ppo_loss inside our LM head (fused.py)
                     loss, aux, out = fused_micro_step(pt, mb, fused, tokens, dp_size, M)
+                    loss = loss * dp_size  # as verl's loss below: it carries dp_size
                 elif forward_only:
                     with torch.no_grad():
                         loss, aux, out = self._micro_step(mb, loss_function, True, group)
@@ -196,8 +212,14 @@ class LongMoEEngine(BaseEngine):
         pb = pack_rows([to_samples(values, offsets)], pad_multiple=pad_multiple(pt.run),
                        min_len=min_row(pt.run))
         batch, positions, packing = local_micro_batch(pb, True, pt.layout, pt.device)
+        row = int(pb.input_ids.shape[1])
+        if pt.layout.cp > 1:
+            set_cp_row_length(pt.model, pt.layout, row)
         lp, ent, aux, _ = pt.model(batch.input_ids, batch.labels, positions,
                                    with_entropy=entropy, packing=packing)
+        if pt.layout.cp > 1:  # forward only (see forward_backward_batch): whole rows back
+            lp = whole_rows(lp, row, pt.layout)
+            ent = whole_rows(ent, row, pt.layout) if entropy else None
         model_output = {"log_probs": to_nested(lp[0], offsets)}
         if entropy:
             model_output["entropy"] = to_nested(ent[0], offsets)

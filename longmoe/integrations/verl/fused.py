@@ -21,6 +21,7 @@ import functools
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
@@ -28,6 +29,7 @@ from verl.workers.utils.losses import ppo_loss
 from longmoe.data.packing import pack_rows
 from longmoe.data.sample import Sample
 from longmoe.train.feed import min_row, pad_multiple
+from longmoe.train.setup import set_cp_row_length
 from longmoe.train.step import forward_backward, local_micro_batch
 
 NEEDED = ("prompts", "responses", "attention_mask", "response_mask", "advantages",
@@ -83,19 +85,31 @@ def fused_micro_step(pt, mb, run, global_tokens: int, dp_size: int, micro_batche
     unfused micro-step, the backward already done."""
     samples = micro_samples(mb)
     pb = pack_rows([samples], pad_multiple=pad_multiple(run), min_len=min_row(run))
-    batch, positions, packing = local_micro_batch(pb, True, pt.layout, pt.device)
-    loss, aux, st = forward_backward(pt.model, batch, run, pt.layout, global_tokens, positions,
+    layout = pt.layout
+    batch, positions, packing = local_micro_batch(pb, True, layout, pt.device)
+    if layout.cp > 1:
+        set_cp_row_length(pt.model, layout, int(pb.input_ids.shape[1]))
+    loss, aux, st = forward_backward(pt.model, batch, run, layout, global_tokens, positions,
                                      None, packing, finish=False, aux_scale=1.0 / micro_batches)
+    # This rank's tokens' sums (its CP slice): the loss and the statistics of the micro-batch
+    # are their sum over the CP group.
+    sums = torch.stack([loss.detach().double()] + [
+        st[k].detach().double() if k in st else torch.zeros((), dtype=torch.float64,
+                                                             device=loss.device)
+        for k in ("clip_frac", "dual_clip_frac", "logprob_sum")])
+    if layout.cp > 1:
+        dist.all_reduce(sums, group=layout.cp_group)
+    total, clip, lower, logp = sums.tolist()
     n = pb.trained_tokens
     old = sum(float(s.old_logprobs[s.loss_mask].sum()) for s in samples)
-    per = lambda k: float(st[k]) / n if n and k in st else 0.0  # noqa: E731
-    pg_loss = loss * dp_size  # verl's pg_loss carries dp_size (gradients average over ranks)
+    pg_loss = total * dp_size  # verl's pg_loss carries dp_size (gradients average over ranks)
     metrics = {
-        "actor/pg_clipfrac": Metric(value=per("clip_frac"), aggregation=AggregationType.MEAN),
-        "actor/ppo_kl": Metric(value=(old - float(st["logprob_sum"])) / n if n else 0.0,
+        "actor/pg_clipfrac": Metric(value=clip / n if n else 0.0,
+                                    aggregation=AggregationType.MEAN),
+        "actor/ppo_kl": Metric(value=(old - logp) / n if n else 0.0,
                                aggregation=AggregationType.MEAN),
-        "actor/pg_clipfrac_lower": Metric(value=per("dual_clip_frac"),
+        "actor/pg_clipfrac_lower": Metric(value=lower / n if n else 0.0,
                                           aggregation=AggregationType.MEAN),
         "actor/pg_loss": Metric(value=pg_loss, aggregation=AggregationType.SUM),
     }
-    return pg_loss, aux, {"model_output": {}, "loss": float(pg_loss.item()), "metrics": metrics}
+    return loss, aux, {"model_output": {}, "loss": pg_loss, "metrics": metrics}
