@@ -14,9 +14,11 @@ What verl calls, and what runs:
   get_per_tensor_param    PolicyTrainer.named_weights_for_rollout: HF names, full tensors
   save/load_checkpoint    PolicyTrainer.save / load (DCP, verified manifest)
 
-verl's loss is computed outside our LM head, so the fused linear-CE policy loss is not used on
-this path: the head returns log-probs with their gradient and verl's loss runs on them. The MoE
-balance loss is added as PolicyTrainer.forward_backward adds it (its mean over micro-batches).
+verl's loss is computed outside our LM head: the head returns log-probs with their gradient and
+verl's loss runs on them, except for verl's own ppo_loss with settings our objective computes
+alike, which runs fused into the head (fused.py). The MoE balance loss is added as
+PolicyTrainer.forward_backward adds it (its mean over micro-batches). Under context parallelism
+log-probs are gathered into whole rows (forward only) and training takes the fused path only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from longmoe.api import PolicyTrainer
+from longmoe.api.batches import whole_rows
 from longmoe.data.packing import pack_rows
 from longmoe.errors import ConfigError, UserError
 from longmoe.integrations.verl.batch import (check_temperature, sequences, to_nested,
@@ -37,7 +40,6 @@ from longmoe.integrations.verl.batch import (check_temperature, sequences, to_ne
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.train.feed import min_row, pad_multiple
-from longmoe.api.batches import whole_rows
 from longmoe.train.setup import loss_scale, set_cp_row_length
 from longmoe.train.step import local_micro_batch
 
