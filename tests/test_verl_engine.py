@@ -386,9 +386,10 @@ def test_rollout_weights_in_transformers_give_the_same_logprobs(verl_env):
         assert torch.allclose(lp[i, :R], want, atol=1e-4, rtol=0), i
 
 
-def _two_ranks(rank, world, backend, path, data, budget):
+def _two_ranks(rank, world, backend, path, data, budget, ckpt):
     """One rank of verl's data-parallel group: its contiguous share of the batch (as verl's
-    dispatch deals it), EP 2 over FSDP2. Returns its log-probs and the train step's metrics."""
+    dispatch deals it), EP 2 over FSDP2. Returns its log-probs, the train step's metrics, and
+    the next step's metrics from this worker and from a new one loaded from a checkpoint."""
     os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
     platform_manager.set_platform(HostPlatform())
@@ -397,19 +398,28 @@ def _two_ranks(rank, world, backend, path, data, budget):
     n = td.batch_size[0] // world
     mine = td[rank * n:(rank + 1) * n]
     lp, _, _ = verl_logprobs(w, mine, budget, entropy=False)
-    batch = left_right_2_no_padding(mine.clone())
-    tu.assign_non_tensor(batch, global_batch_size=td.batch_size[0],
-                         mini_batch_size=td.batch_size[0], epochs=1, seed=0,
-                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
-                         temperature=1.0)
-    out = tu.get(w.train_mini_batch(batch), "metrics")
-    return lp, out["loss"], out["grad_norm"]
+
+    def step(w):  # train_mini_batch pops its settings from the batch: a fresh one each call
+        batch = left_right_2_no_padding(mine.clone())
+        tu.assign_non_tensor(batch, global_batch_size=td.batch_size[0],
+                             mini_batch_size=td.batch_size[0], epochs=1, seed=0,
+                             dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
+                             temperature=1.0)
+        return tu.get(w.train_mini_batch(batch), "metrics")
+
+    out = step(w)
+    w.save_checkpoint(ckpt)
+    after = step(w)
+    w2 = worker(path, "tiny", max_tokens=budget, extra=["parallel.ep=2"])
+    w2.load_checkpoint(ckpt)
+    resumed = step(w2)
+    return lp, out["loss"], out["grad_norm"], (after, resumed)
 
 
 def test_two_gloo_ranks_ep2_equal_one_process(verl_env):
     """2 gloo ranks (EP 2 x FSDP2), each with its half of the batch through verl's worker: the
     log-probs, and the train step's loss and gradient norm, equal one process's PolicyTrainer
-    on the whole batch."""
+    on the whole batch; a checkpoint saved and loaded on both ranks gives the same next step."""
     from longmoe.api import run_local
     pt, path = reference("tiny", verl_env)
     samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=5)
@@ -418,14 +428,18 @@ def test_two_gloo_ranks_ep2_equal_one_process(verl_env):
     want = pt.forward_backward(with_old)
     want_step = pt.optim_step()
     data = {k: td[k] for k in td.keys()}
-    got = run_local(_two_ranks, 2, str(path), data, 20)
+    got = run_local(_two_ranks, 2, str(path), data, 20, str(verl_env / "ckpt-ep2"))
     lp = torch.cat([g[0] for g in got])
     for i, s in enumerate(samples):
         R = s.response.numel()
         assert torch.allclose(lp[i, :R], want_lp[i], atol=1e-5, rtol=0), i
-    for _, loss, gnorm in got:
+    for _, loss, gnorm, (after, resumed) in got:
         assert loss[0] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
         assert gnorm[0] == pytest.approx(want_step["grad_norm"], rel=1e-5)
+        # a checkpoint round trip on both ranks leaves the next step unchanged (and that step
+        # is not the first one again: the checkpoint holds the trained weights)
+        assert resumed["loss"] == after["loss"] and resumed["grad_norm"] == after["grad_norm"]
+        assert after["grad_norm"][0] != gnorm[0]
 
 
 def _example():
