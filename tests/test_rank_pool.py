@@ -1,6 +1,6 @@
 """Shared ranks (longmoe/paired/rank_pool.py): calls reuse one gloo group, return what fresh
 ranks return, a failing rank raises its own error and ends the pool, and a changed environment
-gets a new pool."""
+gets a pool of its own."""
 
 import os
 
@@ -74,6 +74,8 @@ def test_a_changed_environment_gets_new_ranks(monkeypatch):
         again = run_ranks(_sum_rank, 2, 1.0)
         monkeypatch.setenv("LONGMOE_POOL_ENV", "on")
         changed = run_ranks(_sum_rank, 2, 1.0)
-    assert [r["pid"] for r in first] == [r["pid"] for r in again]
+        monkeypatch.delenv("LONGMOE_POOL_ENV")
+        back = run_ranks(_sum_rank, 2, 1.0)  # the first pool again: still open
+    assert [r["pid"] for r in first] == [r["pid"] for r in again] == [r["pid"] for r in back]
     assert {r["pid"] for r in changed}.isdisjoint(r["pid"] for r in first)
     assert [r["probe"] for r in changed] == ["on", "on"] and first[0]["probe"] is None

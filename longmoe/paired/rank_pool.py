@@ -9,7 +9,8 @@ process starts with a random one too) and resets the default dtype and grad mode
 
 A pool serves the calls made with the parent's environment, working directory and import path
 as they were when it started; a call made with any of them changed (a test that sets an
-environment variable its ranks read) gets a new pool. A call that fails on any rank ends the
+environment variable its ranks read) gets a pool of its own. Up to MAX_POOLS pools stay open,
+the least recently used closed first. A call that fails on any rank ends the
 pool (its peers may be waiting inside a collective that will never complete) and raises what
 `torch.multiprocessing` raises for a failed rank; the next call starts a new pool.
 """
@@ -81,7 +82,7 @@ class RankPool:
     """`world` CPU ranks on one gloo group, serving calls one at a time."""
 
     def __init__(self, world: int):
-        self.world, self.key, self.calls = world, _context_key(), 0
+        self.world, self.calls = world, 0
         self._dir = tempfile.TemporaryDirectory(prefix="longmoe-pool-")
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
@@ -148,7 +149,9 @@ class RankPool:
         self._dir.cleanup()
 
 
-_POOLS: dict[int, RankPool] | None = None
+MAX_POOLS = 4
+# (world, context key) -> pool, least recently used first; None outside shared_ranks()
+_POOLS: dict[tuple, RankPool] | None = None
 
 
 def pooled(world: int, device: str) -> RankPool | None:
@@ -156,12 +159,16 @@ def pooled(world: int, device: str) -> RankPool | None:
     on CPU)."""
     if _POOLS is None or device != "cpu":
         return None
-    pool = _POOLS.get(world)
-    if pool is not None and (not pool.alive or pool.key != _context_key()):
-        pool.close(kill=not pool.alive)
+    key = (world, _context_key())
+    pool = _POOLS.pop(key, None)
+    if pool is not None and not pool.alive:
+        pool.close(kill=True)
         pool = None
     if pool is None:
-        pool = _POOLS[world] = RankPool(world)
+        while len(_POOLS) >= MAX_POOLS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = RankPool(world)
+    _POOLS[key] = pool  # now the most recently used
     return pool
 
 
