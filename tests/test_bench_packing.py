@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the slow tier: every arm of the benchmark
 def test_bench_packing_smoke(tmp_path):
     out = tmp_path / "packing.json"
     env = {**os.environ, "LONGMOE_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}

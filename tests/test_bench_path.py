@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the slow tier: a training run per stage
 def test_train_path_runs_every_stage(tmp_path):
     out = tmp_path / "path.json"
     p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "train-path", "--config",

@@ -221,7 +221,9 @@ def results(launched):
     return seed, out
 
 
-@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
+# One target in the fast tier (the quickest to compile on CPU), the others in the slow tier.
+@pytest.mark.parametrize("target", [pytest.param("sm_90", marks=pytest.mark.slow), "gfx942",
+                                    pytest.param("gfx950", marks=pytest.mark.slow)])
 def test_compiles_without_spills(launched, target):
     from longmoe.ops.kernels.aot import compile_all
     reports = compile_all(target, only="causal_conv")

@@ -4,7 +4,8 @@ recompute, chunked linear CE, 2 EP chunks; scaled down to 4 x 64 tokens per rank
 Run A trains 4 steps straight; run B trains 2, stops, and resumes to 4. B's resume also meets the
 debris of a crashed save (a step-N.tmp-* directory that looks complete, a latest.tmp-* pointer at
 it), which it must neither load nor leave behind. Runs are expensive on 2 cores, so one module
-fixture does them all (independent ones side by side) and each test checks its own part.
+fixture does them all (independent ones side by side) and each test checks its own part; the
+slow tier.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 300
 # Warmup makes the learning rate differ per step, so a resume must also restore the schedule.

@@ -6,6 +6,7 @@ temporary directory it does not own is planted (its saves must leave that alone)
 finished directory then get one defect each (a pickle that writes a marker file when unpickled,
 in each place a checkpoint holds pickles; random bytes; truncation; garbled JSON) and each
 `--resume` must be refused in one line naming the file, before any rank starts, with no marker.
+Those runs (about twenty CLI launches) are the slow tier; the checks that need no run are fast.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ def runs(tmp_path_factory):
     return r
 
 
+@pytest.mark.slow
 def test_second_run_on_a_held_directory_is_refused(runs):
     assert runs["base_alive_during_second"]
     line = one_error_line(runs["second"])
@@ -226,6 +228,7 @@ def test_second_run_on_a_held_directory_is_refused(runs):
     assert f"pid {holder['pid']} on {holder['host']}" in line, line
 
 
+@pytest.mark.slow
 def test_saves_leave_other_temporary_directories_alone(runs):
     assert runs["peer_tmp_survived"]
     ck = runs["dir"] / "ckS"
@@ -236,6 +239,7 @@ def test_saves_leave_other_temporary_directories_alone(runs):
                 "rng-rank1.pt"} <= names, names
 
 
+@pytest.mark.slow
 def test_manifest_lists_every_file_with_its_digest_and_the_run_identity(runs):
     step = runs["dir"] / "ckS" / STEP4
     m = json.loads((step / "manifest.json").read_text())
@@ -257,6 +261,7 @@ def test_the_bombs_would_go_off_if_unpickled(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_damaged_checkpoint_is_refused_naming_the_file(runs, case):
     _, must_name = DAMAGE[case]
@@ -269,11 +274,13 @@ def test_damaged_checkpoint_is_refused_naming_the_file(runs, case):
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == [STEP2, STEP4]
 
 
+@pytest.mark.slow
 def test_resume_at_another_global_batch_is_refused(runs):
     line = one_error_line(runs["batch_changed"])
     assert "8" in line and "2" in line and "--allow-batch-change" in line, line
 
 
+@pytest.mark.slow
 def test_allowed_batch_change_says_what_differs(runs):
     p = runs["allow"]
     assert p.returncode == 0, p.stderr[-3000:]
@@ -284,18 +291,21 @@ def test_allowed_batch_change_says_what_differs(runs):
     assert m["identity"]["global_batch"] == 2
 
 
+@pytest.mark.slow
 def test_fresh_run_into_a_directory_with_checkpoints_is_refused(runs):
     line = one_error_line(runs["fresh_into_full"])
     assert "ck_fresh" in line and "--resume" in line and "--overwrite" in line, line
     assert (runs["dir"] / "ck_fresh" / "latest").read_text().strip() == STEP4
 
 
+@pytest.mark.slow
 def test_checkpoint_dir_that_is_a_file_is_refused(runs):
     assert "a_file" in one_error_line(runs["dir_is_file"])
     line = one_error_line(runs["parent_is_file"])
     assert "a_file/sub" in line and "cannot create" in line, line
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_earlier_checkpoints_once_its_own_is_published(runs):
     p = runs["overwrite"]
     assert p.returncode == 0, p.stderr[-3000:]
@@ -308,6 +318,7 @@ def test_overwrite_replaces_the_earlier_checkpoints_once_its_own_is_published(ru
     assert new["identity"]["config_sha256"] != old["identity"]["config_sha256"]  # optim.lr
 
 
+@pytest.mark.slow
 def test_verify_good_checkpoints(runs):
     p = runs["verify_good"]
     assert p.returncode == 0, p.stderr
@@ -320,6 +331,7 @@ def test_verify_good_checkpoints(runs):
     assert STEP2 in runs["verify_good_step_dir"].stdout
 
 
+@pytest.mark.slow
 def test_verify_names_the_damaged_file(runs):
     for name in ("verify_flipped", "verify_flipped_all"):
         p = runs[name]
@@ -331,6 +343,7 @@ def test_verify_names_the_damaged_file(runs):
     one_error_line(runs["verify_empty"])
 
 
+@pytest.mark.slow
 def test_old_copy_named_by_latest_mid_resave_counts_and_is_kept(runs, tmp_path):
     """A kill between the renames of a re-save leaves `latest` on the step's old copy, under a
     tmp name: it verifies, and the lock holder's cleanup of dead saves' leftovers keeps it."""

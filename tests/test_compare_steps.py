@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["--set", "model.preset=tiny-hybrid", "--set", "train.device=cpu", "--set",
         "data.packing=true", "--set", "data.seq_len=128", "--set", "data.prompt_len=8",
@@ -33,6 +35,7 @@ def _compare(a, b, tmp_path):
                           capture_output=True, text=True, env=ENV, timeout=120)
 
 
+@pytest.mark.slow  # the slow tier: three CLI training runs
 def test_cp2_matches_one_process_and_a_changed_run_is_flagged(tmp_path):
     one = tmp_path / "one.jsonl"
     cp2 = tmp_path / "cp2.jsonl"

@@ -97,7 +97,9 @@ def test_triton_kernels_under_interpreter(primitive, impl):
     assert res["ok"] and res["candidate"] == impl, res
 
 
-@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
+# One target in the fast tier (the quickest to compile on CPU), the others in the slow tier.
+@pytest.mark.parametrize("target", [pytest.param("sm_90", marks=pytest.mark.slow), "gfx942",
+                                    pytest.param("gfx950", marks=pytest.mark.slow)])
 def test_every_kernel_config_compiles_without_spills(target):
     assert target in compile_targets()
     reports = compile_all(target)

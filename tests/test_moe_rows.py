@@ -38,6 +38,7 @@ def test_triton_rows_under_interpreter():
         assert res["ok"] and res["candidate"] == "triton", res
 
 
+@pytest.mark.slow  # the slow tier: the pipeline on ranks under the interpreter
 def test_pipeline_with_triton_rows_under_interpreter():
     # The chunk pipeline on 2 gloo ranks (expert chunks) and 1 rank (token chunks; expert chunks,
     # whose combines read the chunks' rows in place) with the Triton row kernels, against one

@@ -176,6 +176,7 @@ def _cp_leak_rank(rank, world, backend, run_dict, seed):
     return {"lp": out, "real": labels != -100}
 
 
+@pytest.mark.slow  # the slow tier: four forward passes per rank
 def test_leaks_across_boundaries_under_context_parallel_are_caught():
     # Each of the three restarts is needed under CP 2: dropping one changes the per-token
     # log-probs of the samples after a boundary (the check above would fail), while the row

@@ -53,6 +53,7 @@ def _check_hand_offs(rows):
         assert r["skipped_steps"] == 0, it
 
 
+@pytest.mark.slow  # the slow tier: the example's whole RL loop
 def test_reward_rises_and_every_hand_off_matches_transformers(tmp_path):
     seed = str(seed_for("rl_loop") % 1000)
     learn = _loop(tmp_path, "learn", "--iterations", str(ITERATIONS), "--lr", "2e-3",
