@@ -206,13 +206,33 @@ class PolicyTrainer:
         nsamp = num_samples if num_samples is not None else n_smp
         loss, aux, stats = accumulate(self.model, data.micro, self.run, self.layout, tokens,
                                       self.device, nsamp, finish=False)
-        for acc, m in zip(self._load, self.model.moe_layers()):
-            acc += m.router.last_load
-        both = (loss + aux).detach()
-        self._loss = both if self._loss is None else self._loss + both
-        self._calls += 1
-        self._tokens += n_tok
+        self.record_pass((loss + aux).detach(), [m.router.last_load for m in self.model.moe_layers()],
+                         n_tok)
         return self._reduce(loss, aux, stats, data, n_tok, n_smp)
+
+    def record_pass(self, loss, loads, tokens: int) -> None:
+        """Count one backward pass toward the next optim_step: its loss (for the finite check),
+        each MoE layer's router load (for the expert-bias update) and its trained tokens.
+        forward_backward calls this; an adapter that runs micro-batches itself with its own loss
+        (longmoe.integrations.verl) calls it once per pass."""
+        for acc, m, got in zip(self._load, self.model.moe_layers(), loads):
+            acc += got
+            if got is not m.router.last_load:
+                m.router.last_load.copy_(got)
+        self._loss = loss if self._loss is None else self._loss + loss
+        self._calls += 1
+        self._tokens += tokens
+
+    @property
+    def pending_calls(self) -> int:
+        """Backward passes since the last optim_step (or discard_pending)."""
+        return self._calls
+
+    def discard_pending(self) -> None:
+        """Drop the gradients and counts of the passes since the last optim_step."""
+        self.optim.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self._reset_pending()
 
     def _reduce(self, loss, aux, stats, data: StepData, n_tok: int, n_smp: int) -> dict:
         """The call's statistics summed over ranks: one all-reduce and one host read (the

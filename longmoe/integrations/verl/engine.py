@@ -240,22 +240,13 @@ class LongMoEEngine(BaseEngine):
         """What PolicyTrainer.forward_backward records for its optim_step (the pending call, its
         loss for the finite check, the routers' load, the trained tokens): this engine ran the
         micro-batches itself, with verl's loss."""
-        pt = self.trainer
-        for acc, m, got in zip(pt._load, pt.model.moe_layers(), loads):
-            acc += got
-            m.router.last_load.copy_(got)
-        pt._loss = loss if pt._loss is None else pt._loss + loss
-        pt._calls += 1
-        pt._tokens += tokens
+        self.trainer.record_pass(loss, loads, tokens)
 
     # ---- optimizer -----------------------------------------------------------------------------
 
     def optimizer_zero_grad(self):
-        pt = self.trainer
-        if pt._calls:
-            pt.optim.zero_grad(set_to_none=True)
-            pt.model.zero_grad(set_to_none=True)
-            pt._reset_pending()
+        if self.trainer.pending_calls:
+            self.trainer.discard_pending()
 
     def optimizer_step(self):
         """PolicyTrainer.optim_step (a non-finite step applies nothing); the gradient norm."""
