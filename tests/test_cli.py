@@ -150,13 +150,20 @@ BAD_INPUT = {
     "bench_delta_preset": (["bench", "gated-delta", "--preset", "qwen9"], ["model.preset", "qwen9"]),
 }
 
+# Every case is a process importing torch (seconds on 2 cores) and they share one path (UserError:
+# one line, exit 2), so the fast tier launches one case of each kind of check; the slow tier the
+# rest.
+FAST_BAD_INPUT = {"unknown_field", "world_not_divisible_by_ep", "token_out_of_vocab",
+                  "malformed_jsonl", "negative_steps", "chunks_exceed_tokens", "overlong_row",
+                  "impl_cannot_run", "paired_unknown_primitive", "bench_delta_precision"}
+SLOW = pytest.mark.slow
+
 GOOD = {
     "doctor": ["doctor", "--json"],
     "paired_linear_ce": ["paired", "linear_ce", "--json", "--seed", str(seed_for("linear_ce"))],
     "paired_recompute": ["paired", "recompute", "--json", "--seed", str(seed_for("recompute"))],
     "paired_gated_delta": ["paired", "gated_delta", "--json", "--seed",
                            str(seed_for("gated_delta"))],
-    "bench_gated_delta": ["bench", "gated-delta", "--smoke", "--variants", "chunked,reference,sdpa"],
     "jsonl_run": ["train", "--config", "cpu_demo", "--nproc", "1", "--set", "parallel.ep=1",
                   "--set", "data.source=jsonl", "--set", "data.path=good.jsonl",
                   "--set", "data.batch_size=4", "--set", f"data.seq_len={JSONL_SEQ_LEN}",
@@ -172,17 +179,27 @@ def workdir(tmp_path_factory) -> Path:
     return d
 
 
+def _selected(request, test: str, param: str) -> set:
+    """The values of `param` among this run's selected cases of `test`."""
+    return {item.callspec.params[param] for item in request.session.items
+            if getattr(item, "originalname", None) == test and hasattr(item, "callspec")}
+
+
 @pytest.fixture(scope="module")
-def quick(workdir):
-    """id -> Future of the CompletedProcess. Doctor runs in the caller's environment (it reports
-    what auto-detection sees); everything else is pinned to the CPU backend."""
+def quick(workdir, request):
+    """id -> Future of the CompletedProcess, for the commands of the selected tests. Doctor runs
+    in the caller's environment (it reports what auto-detection sees); everything else is pinned
+    to the CPU backend."""
+    paired = {f"paired_{p}" for p in _selected(request, "test_paired_json_ok", "primitive")}
+    bad = _selected(request, "test_bad_input_is_one_error_line", "case")
     pool = ThreadPoolExecutor(max_workers=3)
     futures = {"doctor": pool.submit(longmoe, *GOOD["doctor"], cwd=workdir, env=dict(os.environ))}
     for name, argv in GOOD.items():
-        if name != "doctor":
+        if name != "doctor" and (not name.startswith("paired_") or name in paired):
             futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
     for name, (argv, _) in BAD_INPUT.items():
-        futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
+        if name in bad:
+            futures[name] = pool.submit(longmoe, *argv, cwd=workdir)
     futures["torchrun"] = pool.submit(
         torchrun, "train", "--config", "cpu_demo", *SMALL, "--set", "data.batch_size=4",
         "--set", "parallel.ep=1",
@@ -193,7 +210,8 @@ def quick(workdir):
 
 # ---- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", list(BAD_INPUT))
+@pytest.mark.parametrize("case", [c if c in FAST_BAD_INPUT else pytest.param(c, marks=SLOW)
+                                  for c in BAD_INPUT])
 def test_bad_input_is_one_error_line(quick, case):
     _, must_name = BAD_INPUT[case]
     p = quick[case].result()
@@ -224,7 +242,8 @@ def test_doctor_json(quick):
         assert report["dist_backend"] == "gloo"
 
 
-@pytest.mark.parametrize("primitive", ["linear_ce", "recompute", "gated_delta"])
+@pytest.mark.parametrize("primitive", ["linear_ce", pytest.param("recompute", marks=SLOW),
+                                       pytest.param("gated_delta", marks=SLOW)])
 def test_paired_json_ok(quick, primitive):
     p = quick[f"paired_{primitive}"].result()
     assert p.returncode == 0, p.stdout + p.stderr

@@ -77,6 +77,7 @@ def test_selective_recompute_step_matches_world1(kw):
     assert res.ok, (seed, res.failures())
 
 
+@pytest.mark.slow  # the slow tier: compiles the core's graphs in every rank
 def test_hybrid_compiled_core_under_context_parallel(monkeypatch):
     # The GPU path (compiled core pieces, conv and gated norm) with CP 2: initial states, state
     # summaries with extra value columns and conv halos all go through the traced graphs. On CPU
