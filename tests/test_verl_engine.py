@@ -15,8 +15,11 @@ from functools import partial
 import pytest
 import torch
 
-sys.modules.setdefault("fla", None)  # transformers' Gated DeltaNet on its torch path on CPU
 verl = pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
+# verl pins transformers < 5.11, whose Gated DeltaNet binds fla whenever it imports (a CPU
+# forward then fails): its torch path here. Set only where verl is installed, so the other
+# test files of a session keep fla.
+sys.modules.setdefault("fla", None)  # transformers' Gated DeltaNet on its torch path on CPU
 
 import torch.distributed as dist  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
