@@ -272,6 +272,13 @@ def test_load_hf_inverts_the_export(tmp_path):
     with pytest.raises(UserError, match=r"model_type 'qwen3_moe'; the model config computes"):
         check_hf_init(dataclasses.replace(run, model=_case("preset:tiny")))
     check_hf_init(dataclasses.replace(run, model=_case("offset:qwen3")))
+    # same sizes, another function: refused by the field, not trained silently
+    for field, value in (("rope_theta", 12345.0), ("rms_norm_eps", 1e-3),
+                         ("norm_topk_prob", False)):
+        other = _case("offset:qwen3").replace(**{field: value})
+        with pytest.raises(UserError, match=rf"train\.init_hf: .* has {field}=.*, the run's model "
+                                            rf"has {value!r}"):
+            check_hf_init(dataclasses.replace(run, model=other))
 
 
 # ---- declared types ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ stopped the launch.
 
 from __future__ import annotations
 
+import math
 import os
 
 from longmoe.errors import UserError
@@ -106,9 +107,19 @@ def check_hf_init(run: RunConfig):
     path = Path(run.train.init_hf)
     _import_shift(_Store(path), run.model)  # its model_type is the architecture of run.model
     theirs = from_hf_config(path / "config.json")
-    for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-              "num_experts", "top_k", "moe_ffn_size", "shared_expert_ffn_size", "layer_types"):
+    # Sizes, and every value that changes the function the weights compute: loading weights
+    # trained under another rope_theta or eps would train a different model without a word.
+    fields = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "num_experts", "top_k", "moe_ffn_size", "shared_expert_ffn_size", "layer_types",
+              "rope_theta", "partial_rotary_factor", "rms_norm_eps", "norm_topk_prob",
+              "attn_output_gate"]
+    if "linear_attention" in run.model.layer_types:
+        fields += ["linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                   "linear_value_head_dim", "linear_conv_kernel"]
+    for f in fields:
         a, b = getattr(run.model, f), getattr(theirs, f)
+        if isinstance(a, float) and math.isclose(a, b, rel_tol=1e-12):
+            continue
         if a != b and not (f == "layer_types" and not a and all(t == "full_attention" for t in b)):
             raise UserError(f"train.init_hf: {path / 'config.json'} has {f}={b!r}, the run's "
                             f"model has {a!r}")
