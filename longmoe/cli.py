@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="flash-linear-attention's Gated DeltaNet kernels instead of ours")
     kc.set_defaults(fn=_cmd_kernels)
 
-    from longmoe.train.ckpt_verify import add_parser as add_checkpoint_parser
+    from longmoe.checkpoint.verify import add_parser as add_checkpoint_parser
     add_checkpoint_parser(sub)
     from longmoe.plan.cli import add_parser as add_recipe_parser
     add_recipe_parser(sub)

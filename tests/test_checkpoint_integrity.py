@@ -56,8 +56,8 @@ def rehash(step_dir: Path, name: str):
 
 def shard_with_bytes_entry(step_dir: Path) -> tuple[str, int, int]:
     """(shard, offset, length) of a pickled non-tensor entry (an optimizer hyper-parameter)."""
-    from longmoe.train.ckpt_manifest import read_manifest
-    from longmoe.train.ckpt_safe import read_dcp_metadata
+    from longmoe.checkpoint.manifest import read_manifest
+    from longmoe.checkpoint.safe import read_dcp_metadata
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     md = read_dcp_metadata(step_dir, read_manifest(step_dir))
     for idx, info in md.storage_data.items():
@@ -347,8 +347,8 @@ def test_verify_names_the_damaged_file(runs):
 def test_old_copy_named_by_latest_mid_resave_counts_and_is_kept(runs, tmp_path):
     """A kill between the renames of a re-save leaves `latest` on the step's old copy, under a
     tmp name: it verifies, and the lock holder's cleanup of dead saves' leftovers keeps it."""
-    from longmoe.train.ckpt_dir import remove_stale_tmp
-    from longmoe.train.ckpt_verify import verify
+    from longmoe.checkpoint.directory import remove_stale_tmp
+    from longmoe.checkpoint.verify import verify
     ck = tmp_path / "ck"
     shutil.copytree(runs["dir"] / "ckS", ck)
     aside = f"{STEP4}.tmp-old-0badc0de"
@@ -369,8 +369,8 @@ def test_lock_is_exclusive_and_released(tmp_path):
     import subprocess
     import sys
 
-    from longmoe.train.ckpt_dir import claim
-    other = [sys.executable, "-c", "import sys; from longmoe.train.ckpt_dir import claim; "
+    from longmoe.checkpoint.directory import claim
+    other = [sys.executable, "-c", "import sys; from longmoe.checkpoint.directory import claim; "
                                    "claim(sys.argv[1])", str(tmp_path / "ck")]
     first = claim(tmp_path / "ck")
     again = claim(tmp_path / "ck")
@@ -385,7 +385,7 @@ def test_lock_is_exclusive_and_released(tmp_path):
 
 
 def test_config_hash_covers_what_is_trained(tmp_path):
-    from longmoe.train.ckpt_manifest import config_hash, run_identity
+    from longmoe.checkpoint.manifest import config_hash, run_identity
     from longmoe.train.config import load_run_config
     base = load_run_config("cpu_demo")
     same = load_run_config("cpu_demo", ["train.steps=99", "train.nproc=4", "data.batch_size=2",
@@ -399,21 +399,21 @@ def test_config_hash_covers_what_is_trained(tmp_path):
 
 
 def test_digest_is_streamed_over_chunks(tmp_path):
-    from longmoe.train import ckpt_manifest
+    from longmoe.checkpoint import manifest
     data = os.urandom(3 * 4096 + 17)
     (tmp_path / "f").write_bytes(data)
-    old, ckpt_manifest._CHUNK = ckpt_manifest._CHUNK, 4096
+    old, manifest._CHUNK = manifest._CHUNK, 4096
     try:
-        got = ckpt_manifest.sha256_file(tmp_path / "f")
+        got = manifest.sha256_file(tmp_path / "f")
     finally:
-        ckpt_manifest._CHUNK = old
+        manifest._CHUNK = old
     assert got == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs a directory nobody may create files in")
 def test_unwritable_checkpoint_dir_is_refused():
     from longmoe.errors import UserError
-    from longmoe.train.ckpt_dir import claim
+    from longmoe.checkpoint.directory import claim
     with pytest.raises(UserError, match="--checkpoint-dir: /sys is not writable"):
         claim("/sys")
 
@@ -423,7 +423,7 @@ def test_rank_side_loaders_refuse_pickles(tmp_path):
     import io
 
     from longmoe.errors import UserError
-    from longmoe.train.ckpt_safe import WeightsOnlyPlanner, read_dcp_metadata
+    from longmoe.checkpoint.safe import WeightsOnlyPlanner, read_dcp_metadata
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
     marker = tmp_path / "marker"

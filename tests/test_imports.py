@@ -149,6 +149,25 @@ def test_graph_sees_function_level_and_relative_imports():
     assert any(isinstance(n, ast.ImportFrom) and n.level == 1 for n in ast.walk(tree))
 
 
+# Package -> the packages above it, which it must not import (function-level imports count): the
+# training loop and PolicyTrainer call checkpoint/, never the other way round.
+LAYERS = {"longmoe.checkpoint": ("longmoe.train", "longmoe.api", "longmoe.integrations",
+                                 "longmoe.cli", "longmoe.bench", "longmoe.paired", "longmoe.plan")}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_lower_packages_import_no_upper_one():
+    graph = import_graph()
+    assert any(_within(m, "longmoe.checkpoint") for m in graph), "longmoe.checkpoint not found"
+    offenders = sorted(f"{m} -> {t}" for low, uppers in LAYERS.items()
+                       for m, targets in graph.items() if _within(m, low)
+                       for t in targets if any(_within(t, up) for up in uppers))
+    assert not offenders, "imports against the layering:\n  " + "\n  ".join(offenders)
+
+
 def test_core_imports_no_vendor_package():
     """`longmoe/` reaches vendor code only through the backend registry (longmoe.backends)."""
     graph = import_graph()

@@ -62,8 +62,8 @@ def _files(root: Path) -> dict[str, str]:
 
 
 def test_a_second_process_saving_into_a_held_directory_is_refused(tmp_path):
-    from longmoe.train.ckpt_dir import claim
-    from longmoe.train.ckpt_verify import check_step
+    from longmoe.checkpoint.directory import claim
+    from longmoe.checkpoint.verify import check_step
     d = tmp_path / "ck"
     first = _python(d, "first", stdin=subprocess.PIPE)
     try:
@@ -104,13 +104,13 @@ def test_the_holding_process_claims_again_and_close_gives_it_up(tmp_path):
     import random
 
     from longmoe.api import PolicyTrainer
-    from longmoe.train import ckpt_dir
+    from longmoe.checkpoint import directory
     from longmoe.train.config import from_dict
     from _api_samples import run_dict
     d = tmp_path / "ck"
-    other = [sys.executable, "-c", "import sys; from longmoe.train.ckpt_dir import claim; "
+    other = [sys.executable, "-c", "import sys; from longmoe.checkpoint.directory import claim; "
                                    "claim(sys.argv[1])", str(d)]
-    launcher = ckpt_dir.claim(d)
+    launcher = directory.claim(d)
     assert not launcher.shared
     pt = PolicyTrainer(from_dict(run_dict(random.randrange(1000))))
     assert Path(pt.save(d)).name == "step-00000000"

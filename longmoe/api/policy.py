@@ -28,12 +28,15 @@ from longmoe.api.batches import (labelled, plan_call, rank_step_data, response_o
                                  scatter_results, whole_rows)
 from longmoe.api.checks import agree, check_masks, check_samples, with_bool_mask
 from longmoe.backends import active_backend, get_backend
+from longmoe.checkpoint.directory import claim, remove_stale_tmp
+from longmoe.checkpoint.load import load as load_checkpoint
+from longmoe.checkpoint.load import resume_point
+from longmoe.checkpoint.manifest import run_identity
+from longmoe.checkpoint.save import save as save_checkpoint
 from longmoe.errors import UserError
 from longmoe.model.flops import balance_crossover
 from longmoe.parallel.mesh import build_layout, validate_layout
 from longmoe.rl.logprobs import compute_logprobs as forward_logprobs
-from longmoe.train import checkpoint as ckpt
-from longmoe.train import ckpt_dir
 from longmoe.train.config import RunConfig, load_run_config
 from longmoe.train.feed import StepData, check_budget_settings
 from longmoe.train.precision import MasterWeights
@@ -112,7 +115,7 @@ class PolicyTrainer:
             self.crossover = 1e300  # no full attention: cost is tokens alone
         self.step = 0
         self.bad_steps = 0
-        self._dirs = {}       # checkpoint directory -> its lock (ckpt_dir.DirLock), from a save
+        self._dirs = {}       # checkpoint directory -> its DirLock (longmoe.checkpoint), from a save
         self._reset_pending()
 
     @classmethod
@@ -368,7 +371,7 @@ class PolicyTrainer:
                                          senders)
 
     def _identity(self) -> dict:
-        return ckpt.run_identity(self.run, self.layout.world, self.layout.ep, self.layout.cp)
+        return run_identity(self.run, self.layout.world, self.layout.ep, self.layout.cp)
 
     def _finite_or_stop(self, what: str):
         if not all_finite(self.model.parameters(), self.layout, self.device):
@@ -376,14 +379,14 @@ class PolicyTrainer:
 
     def save(self, directory) -> str:
         """A DCP checkpoint of weights, AdamW state and generator states at DIR/step-N (N =
-        self.step), published atomically (longmoe.train.checkpoint). Gradients of pending
+        self.step), published atomically (longmoe.checkpoint.save). Gradients of pending
         forward_backward calls are not saved. From its first save into DIR on, this trainer
         holds DIR's lock (the one `longmoe train --checkpoint-dir` takes) until it is closed or
         the process ends: another run's save into DIR is refused. Returns the step directory."""
         self._finite_or_stop("save")
         self._own(directory)
-        return str(ckpt.save(directory, self.step, self.model, self.optim, self.backend,
-                             self.run, self._identity()))
+        return str(save_checkpoint(directory, self.step, self.model, self.optim, self.backend,
+                                   self.run, self._identity()))
 
     def _own(self, directory) -> None:
         """Rank 0 claims DIR's lock on the first save into it (and, as the directory's only
@@ -393,9 +396,9 @@ class PolicyTrainer:
         error = None
         if rank == 0 and key not in self._dirs:
             try:
-                lock = ckpt_dir.claim(directory, "save")
+                lock = claim(directory, "save")
                 if not lock.shared:
-                    ckpt_dir.remove_stale_tmp(lock.root)
+                    remove_stale_tmp(lock.root)
                 self._dirs[key] = lock
             except UserError as e:
                 error = e
@@ -421,17 +424,17 @@ class PolicyTrainer:
         if self._calls:
             raise UserError("load: forward_backward gradients are pending; call optim_step "
                             "before loading (loading would drop them)")
-        point = ckpt.resume_point(directory, self.run, self._identity(),
-                                  allow_batch_change=True, full=True)
+        point = resume_point(directory, self.run, self._identity(), allow_batch_change=True,
+                             full=True)
         if point is None:
             raise UserError(f"load: no checkpoint in {directory}")
         self.load_point(point)
         return str(point.path)
 
     def load_point(self, point) -> None:
-        """Load a resolved longmoe.train.checkpoint.ResumePoint (the CLI's --resume); the
+        """Load a resolved longmoe.checkpoint.load.ResumePoint (the CLI's --resume); the
         schedule continues at its step."""
-        ckpt.load(point, self.model, self.optim, self.backend)
+        load_checkpoint(point, self.model, self.optim, self.backend)
         self.step = point.step
         self.sched.last_epoch = point.step - 1
         self._advance_schedule()

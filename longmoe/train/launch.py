@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 import os
 
+from longmoe.checkpoint.directory import claim, holds_checkpoints, remove_stale_tmp
+from longmoe.checkpoint.load import resume_point
+from longmoe.checkpoint.manifest import run_identity
 from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
-from longmoe.train import checkpoint as ckpt
-from longmoe.train import ckpt_dir
 from longmoe.train.config import RunConfig
 from longmoe.train.data import read_jsonl
 from longmoe.train.impl_check import check_named_impls, check_on_rank
@@ -132,16 +133,16 @@ def claim_checkpoint_dir(run: RunConfig, opts: RunOptions, world: int):
     whole and fits. Then the leftovers of saves that died are removed: we are the only writer."""
     if not opts.checkpoint_dir:
         return None
-    lock = ckpt_dir.claim(opts.checkpoint_dir)
+    lock = claim(opts.checkpoint_dir)
     try:
-        held = ckpt_dir.holds_checkpoints(lock.root)
+        held = holds_checkpoints(lock.root)
         if held and not (opts.resume or opts.overwrite):
             raise UserError(f"--checkpoint-dir: {lock.root} already holds checkpoints (latest: "
                             f"{held}); pass --resume to continue from them, or --overwrite to "
                             f"train from step 0 and replace them")
         check_resume(run, opts, world)
         if not lock.shared:   # this process's own earlier claim may be mid-save
-            ckpt_dir.remove_stale_tmp(lock.root)
+            remove_stale_tmp(lock.root)
     except BaseException:
         lock.release()
         raise
@@ -154,8 +155,8 @@ def check_resume(run: RunConfig, opts: RunOptions, world: int):
     ranks repeat the cheap checks). Validated layouts keep ep == run.parallel.ep."""
     if not (opts.resume and opts.checkpoint_dir):
         return
-    identity = ckpt.run_identity(run, world, run.parallel.ep, run.parallel.cp)
-    ckpt.resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change, full=True)
+    identity = run_identity(run, world, run.parallel.ep, run.parallel.cp)
+    resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change, full=True)
 
 
 def launch(run: RunConfig, nproc: int, opts: RunOptions) -> int:

@@ -24,10 +24,13 @@ import torch.distributed as dist
 from longmoe.api.policy import PolicyTrainer
 from longmoe.backends import active_backend, get_backend
 from longmoe.backends.base import Backend
+from longmoe.checkpoint.load import latest, resume_point
+from longmoe.checkpoint.manifest import run_identity
+from longmoe.checkpoint.save import remove_earlier
+from longmoe.checkpoint.save import save as save_checkpoint
 from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
-from longmoe.train import checkpoint as ckpt
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
@@ -100,11 +103,11 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     model_meta["layer_types"] = list(model_meta["layer_types"])
 
     start = 0
-    identity = ckpt.run_identity(run, world, layout.ep, layout.cp)
+    identity = run_identity(run, world, layout.ep, layout.cp)
     replaced = not opts.overwrite  # --overwrite: the first save removes the earlier checkpoints
     if opts.resume and opts.checkpoint_dir:
-        point = ckpt.resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change,
-                                  full=False)  # the launcher checked every digest
+        point = resume_point(opts.checkpoint_dir, run, identity, opts.allow_batch_change,
+                             full=False)  # the launcher checked every digest
         if point is not None:
             pt.load_point(point)
             start = point.step
@@ -167,11 +170,11 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                 raise TrainingStopped(f"training stopped after step {step + 1}: the parameters "
                                       f"are not finite, so they were not saved; "
                                       + _kept(opts))
-            path = ckpt.save(opts.checkpoint_dir, step + 1, model, pt.optim, backend, run,
-                             identity)
+            path = save_checkpoint(opts.checkpoint_dir, step + 1, model, pt.optim, backend, run,
+                                   identity)
             progress.info(f"checkpoint: {path}")
             if not replaced:
-                removed, replaced = ckpt.remove_earlier(opts.checkpoint_dir, path), True
+                removed, replaced = remove_earlier(opts.checkpoint_dir, path), True
                 if removed:
                     progress.info(f"--overwrite: removed the earlier {', '.join(removed)}")
     if run.train.export_hf:
@@ -233,7 +236,7 @@ def _kept(opts: RunOptions) -> str:
     if not opts.checkpoint_dir:
         return "no checkpoint directory was given"
     try:
-        path = ckpt.latest(opts.checkpoint_dir)
+        path = latest(opts.checkpoint_dir)
     except UserError as e:
         return str(e)
     return f"the latest checkpoint is {path}" if path else "no checkpoint was saved"

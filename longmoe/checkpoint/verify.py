@@ -15,16 +15,16 @@ import json
 import sys
 from pathlib import Path
 
+from longmoe.checkpoint.directory import (POINTER, is_step_dir_name, named_step, published_steps,
+                                         step_name)
+from longmoe.checkpoint.manifest import MANIFEST, read_meta, verify_step
 from longmoe.errors import UserError
-from longmoe.train.ckpt_dir import (POINTER, is_step_dir_name, named_step, published_steps,
-                                    step_name)
-from longmoe.train.ckpt_manifest import MANIFEST, read_meta, verify_step
 
 
 def check_step(step_dir: Path) -> dict:
     """One step directory's verdict: {"path", "ok", "error", "step", "files", "bytes",
     "identity"}."""
-    from longmoe.train.ckpt_safe import read_dcp_metadata  # torch: only when checking
+    from longmoe.checkpoint.safe import read_dcp_metadata  # torch: only when checking
     out = {"path": str(step_dir), "ok": False, "error": None, "step": None, "files": 0,
            "bytes": 0, "identity": None}
     try:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from longmoe.errors import UserError
-from longmoe.train.ckpt_manifest import verified_bytes
+from longmoe.checkpoint.manifest import verified_bytes
 
 DCP_METADATA = ".metadata"
 _ALLOWED = {
