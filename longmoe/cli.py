@@ -220,7 +220,7 @@ def _cmd_bench_path(a) -> int:
 
 
 def _cmd_bench_packing(a) -> int:
-    from longmoe.bench.packing import FULL, SMOKE, run_bench, write_report
+    from longmoe.bench.packing import FULL, SMOKE, run_bench, selected_arms, write_report
     extra = _set_overrides(a.set)
     base = SMOKE if a.smoke else FULL
     kw = {k: (getattr(a, k) if getattr(a, k) is not None else v) for k, v in base.items()
@@ -228,7 +228,7 @@ def _cmd_bench_packing(a) -> int:
     kw["extra"] = {**base["extra"], **extra}
     if kw["steps"] < 1:
         raise UserError(f"--steps: must be >= 1, got {kw['steps']}")
-    report = run_bench(**kw, timeout=a.timeout, out=a.out)
+    report = run_bench(**kw, timeout=a.timeout, out=a.out, arm_names=selected_arms(a.arms))
     write_report(report, a.out)
     return 0 if all(r["status"] == "ok" for r in report["arms"]) else 1
 
@@ -397,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--ref-samples", type=int,
                     help="samples of the full-rows arm's step (default 2)")
     bk.add_argument("--steps", type=int, help="steps per arm; the first compiles (default 2)")
+    bk.add_argument("--arms", help="comma-separated arms to run, in their fixed order: "
+                                   "full-rows, packed, padded (the default), packed-static (the "
+                                   "packed arm with every row length compiled apart)")
     bk.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every arm")
     bk.add_argument("--timeout", type=int, default=900, help="seconds per arm")
     bk.add_argument("--out", help="write the JSON report here")

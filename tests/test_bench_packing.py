@@ -37,7 +37,8 @@ def test_bench_packing_smoke(tmp_path):
 def test_bench_packing_bad_flags_are_one_line():
     env = {**os.environ, "LONGMOE_BACKEND": "cpu"}
     for args, needle in ((["--budget", "1024", "--max-len", "2048"], "--budget"),
-                         (["--mean", "0"], "--mean"), (["--max-len", "512"], "--max-len")):
+                         (["--mean", "0"], "--mean"), (["--max-len", "512"], "--max-len"),
+                         (["--arms", "packed,static"], "--arms")):
         p = subprocess.run([sys.executable, "-m", "longmoe", "bench", "packing", *args],
                            env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
@@ -53,7 +54,7 @@ def test_bench_packing_runs_the_configs_nproc(tmp_path, monkeypatch):
     from longmoe.cli import main
     started = []
 
-    def record(config, nproc, overrides, steps, metrics, timeout, profile=None):
+    def record(config, nproc, overrides, steps, metrics, timeout, profile=None, env=None):
         started.append((config, nproc, overrides.get("parallel.ep")))
         return {"status": "failed", "cmd": "", "error": "not run"}
     monkeypatch.setattr(packing, "_run", record)
@@ -72,3 +73,42 @@ def test_bench_packing_runs_the_configs_nproc(tmp_path, monkeypatch):
     started.clear()
     main(["bench", "packing", "--smoke", "--out", str(tmp_path / "s.json")])
     assert {s[1:] for s in started} == {(1, 1)}
+
+
+def test_bench_packing_arms_and_the_static_shapes_twin(tmp_path, monkeypatch):
+    # --arms picks arms and keeps their fixed order; the static-shapes arm is the packed arm's
+    # command with LONGMOE_COMPILE_SHAPES=static in its environment.
+    from longmoe.bench import packing
+    from longmoe.cli import main
+    started = []
+
+    def record(config, nproc, overrides, steps, metrics, timeout, profile=None, env=None):
+        started.append((overrides, env))
+        return {"status": "failed", "cmd": "", "error": "not run"}
+    monkeypatch.setattr(packing, "_run", record)
+    out = tmp_path / "p.json"
+    main(["bench", "packing", "--smoke", "--arms", "packed-static,full-rows,packed",
+          "--out", str(out)])
+    assert json.loads(out.read_text())["arms_run"] == ["full rows", "packed",
+                                                      "packed, static shapes"]
+    (full, full_env), (packed, packed_env), (static, static_env) = started
+    assert packed == static and full != packed
+    assert full_env is None and packed_env is None
+    assert static_env == {"LONGMOE_COMPILE_SHAPES": "static"}
+
+
+def test_bench_packing_reports_the_first_step_apart():
+    from longmoe.bench.packing import _summary, markdown_table, ratios
+    rows = [{"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
+             "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
+             "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30} for t in (9.0, 3.0, 5.0)]
+    s = _summary(rows)
+    assert s["first_step_s"] == 9.0 and s["step_time_s"] == 4.0 and s["first_over_steady"] == 2.25
+    arms = [{"arm": "packed", "samples": 8, "status": "ok", **s},
+            {"arm": "packed, static shapes", "samples": 8, "status": "ok", **s,
+             "first_step_s": 18.0}]
+    r = ratios(arms)
+    assert r == {"packed_first_step_over_static_shapes": 0.5, "packed_step_over_static_shapes": 1.0}
+    table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
+                            "row_multiple": 1, "steps": 3, "arms": arms, "ratios": r})
+    assert "| packed | 8 | 10 | 4.00 | 9.00 (2.25x) |" in table

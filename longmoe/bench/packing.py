@@ -11,9 +11,17 @@ rule task with log-normal response lengths (data.response_len):
   padded     the same distribution, one sample per micro-batch padded to the budget
              (data.packing=false); every row costs the same, so --padded-samples (fewer) measure
              its rate
+  packed, static shapes
+             the packed arm with LONGMOE_COMPILE_SHAPES=static (longmoe.ops.compiled): every
+             packed row length compiles the row-wise pieces again; only with --arms packed-static
+
+The arms run one after another on the same machine and share torch's and Triton's on-disk
+caches, so an arm's first step finds what earlier arms compiled for the same graphs (the
+full-rows arm runs first, and its first step pays the process's compiles from cold).
 
 Every step of an arm trains the same samples (data.num_samples = the batch), so its row shapes
-repeat and only the first step compiles. Per arm, over the steps after the first: the median
+repeat and only the first step compiles. Per arm: the first step's time and its ratio to the
+steady step (what compiling costs); over the steps after the first: the median
 useful tokens/s (the samples' own tokens, padding excluded, per second), step time, padding
 share, micro-batches per step, hardware TFLOPS, and the peak memory over all steps. The report
 adds the packed and padded rates over the full-rows rate, the packed arm's peak over the full
@@ -44,6 +52,14 @@ SMOKE = {"config": "cpu_demo", "samples": 8, "mean": 24, "max_len": 96, "budget"
          "nproc": None, "extra": {"parallel.ep": 1, "train.nproc": 1, "data.group_size": 4}}
 
 
+# --arms names -> arm names, in the order they run; the default runs the first three.
+ARMS = {"full-rows": "full rows", "packed": "packed", "padded": "padded",
+        "packed-static": "packed, static shapes"}
+DEFAULT_ARMS = ("full-rows", "packed", "padded")
+# Environment of an arm's training run, beside the --set overrides.
+ARM_ENV = {"packed, static shapes": {"LONGMOE_COMPILE_SHAPES": "static"}}
+
+
 def arms(samples: int, mean: int, max_len: int, budget: int, prompt_len: int,
          padded_samples: int, ref_samples: int, row_multiple: int) -> list[tuple[str, dict]]:
     """(name, --set overrides) of each arm."""
@@ -65,23 +81,38 @@ def arms(samples: int, mean: int, max_len: int, budget: int, prompt_len: int,
     common = {"data.source": "synthetic", "data.prompt_len": prompt_len,
               "data.seq_len": max_len, "data.max_tokens_per_micro_batch": budget}
     lognormal = f"lognormal:{mean}:{resp_max}"
+    packed = {**common, "data.batch_size": samples, "data.num_samples": samples,
+              "data.packing": "true", "data.row_multiple": row_multiple,
+              "data.response_len": lognormal}
     return [
         ("full rows", {**common, "data.batch_size": ref_samples, "data.num_samples": ref_samples,
                        "data.packing": "false", "data.max_tokens_per_micro_batch": max_len,
                        "data.response_len": f"fixed:{resp_max}"}),
-        ("packed", {**common, "data.batch_size": samples, "data.num_samples": samples,
-                    "data.packing": "true", "data.row_multiple": row_multiple,
-                    "data.response_len": lognormal}),
+        ("packed", packed),
         ("padded", {**common, "data.batch_size": padded_samples,
                     "data.num_samples": padded_samples, "data.packing": "false",
                     "data.response_len": lognormal}),
+        ("packed, static shapes", packed),
     ]
+
+
+def selected_arms(names: str | None) -> list[str]:
+    """The arm names of a comma-separated --arms value (None: the default three), run order."""
+    from longmoe.errors import UserError
+    keys = DEFAULT_ARMS if names is None else [k.strip() for k in names.split(",") if k.strip()]
+    bad = [k for k in keys if k not in ARMS]
+    if bad or not keys:
+        raise UserError(f"--arms: {', '.join(bad) or 'none given'}; choose from "
+                        f"{', '.join(ARMS)}")
+    return [ARMS[k] for k in ARMS if k in keys]
 
 
 def _summary(rows: list[dict]) -> dict:
     timed = rows[1:] or rows
     med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
-    return {"useful_tokens_per_s": med("tokens_per_s"), "step_time_s": med("step_time_s"),
+    first, steady = rows[0]["step_time_s"], med("step_time_s")
+    return {"useful_tokens_per_s": med("tokens_per_s"), "step_time_s": steady,
+            "first_step_s": first, "first_over_steady": first / steady if steady else None,
             "padding_share": med("padding_share"), "micro_batches": med("micro_batches"),
             "useful_tokens_per_step": med("useful_tokens"), "tokens_per_step": med("tokens"),
             "rank_cost_imbalance": med("rank_cost_imbalance"),
@@ -98,7 +129,8 @@ def config_nproc(config: str, extra: dict) -> int:
 
 def run_bench(config: str, nproc: int | None, samples: int, mean: int, max_len: int, budget: int,
               prompt_len: int, steps: int, padded_samples: int, ref_samples: int,
-              row_multiple: int, extra: dict, timeout: int, out: str | None = None) -> dict:
+              row_multiple: int, extra: dict, timeout: int, out: str | None = None,
+              arm_names: list[str] | None = None) -> dict:
     from longmoe.backends import active_backend
     backend = active_backend()
     nproc = nproc if nproc is not None else config_nproc(config, extra)
@@ -106,14 +138,18 @@ def run_bench(config: str, nproc: int | None, samples: int, mean: int, max_len: 
               "response_len": f"lognormal:{mean}:{max_len - prompt_len}",
               "prompt_len": prompt_len, "max_len": max_len, "budget": budget,
               "row_multiple": row_multiple, "steps": steps, "extra": extra,
+              "arms_run": arm_names or selected_arms(None),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": backend.probe().get("device_name") or backend.name,
               "versions": backend.versions(), "arms": []}
     with tempfile.TemporaryDirectory(prefix="longmoe-packing-") as tmp:
         for name, sets in arms(samples, mean, max_len, budget, prompt_len, padded_samples,
                                ref_samples, row_multiple):
-            metrics = Path(tmp) / f"{name.replace(' ', '_')}.jsonl"
-            res = _run(config, nproc, {**sets, **extra}, steps, metrics, timeout)
+            if name not in report["arms_run"]:
+                continue
+            metrics = Path(tmp) / f"{name.replace(' ', '_').replace(',', '')}.jsonl"
+            res = _run(config, nproc, {**sets, **extra}, steps, metrics, timeout,
+                       env=ARM_ENV.get(name))
             row = {"arm": name, "samples": sets["data.batch_size"],
                    "budget": sets["data.max_tokens_per_micro_batch"], "status": res["status"],
                    "cmd": res["cmd"]}
@@ -127,9 +163,10 @@ def run_bench(config: str, nproc: int | None, samples: int, mean: int, max_len: 
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
                 Path(out).write_text(json.dumps(report, indent=1))
             said = (f"{row['useful_tokens_per_s']:,.0f} useful tok/s, padding "
-                    f"{row['padding_share']:.1%}, peak {row['peak_mem_gib']:.1f} GiB"
+                    f"{row['padding_share']:.1%}, peak {row['peak_mem_gib']:.1f} GiB, first "
+                    f"step {row['first_step_s']:.1f} s, then {row['step_time_s']:.1f} s"
                     if res["status"] == "ok" else f"{res['status']}: {res.get('error', '')}")
-            print(f"{name:<10} {said}", flush=True)
+            print(f"{name:<21} {said}", flush=True)
     report["ratios"] = ratios(report["arms"])
     return report
 
@@ -138,7 +175,7 @@ def ratios(rows: list[dict]) -> dict:
     by = {r["arm"]: r for r in rows if r["status"] == "ok"}
     ref = by.get("full rows")
     if not ref:
-        return {}
+        return _static_ratios(by)
     out = {}
     for arm in ("packed", "padded"):
         if arm in by:
@@ -154,22 +191,34 @@ def ratios(rows: list[dict]) -> dict:
         rate = pk["useful_tokens_per_step"] / (pk["samples"] * per_row)
         out["padded_tokens_per_s_at_packed_batch"] = rate
         out["padded_at_packed_batch_over_full_rows"] = rate / ref["useful_tokens_per_s"]
-    return out
+    return out | _static_ratios(by)
+
+
+def _static_ratios(by: dict) -> dict:
+    """The packed arm against its static-shapes twin: first step and steady step."""
+    if "packed" not in by or "packed, static shapes" not in by:
+        return {}
+    pk, st = by["packed"], by["packed, static shapes"]
+    return {"packed_first_step_over_static_shapes": pk["first_step_s"] / st["first_step_s"],
+            "packed_step_over_static_shapes": pk["step_time_s"] / st["step_time_s"]}
 
 
 def markdown_table(report: dict) -> str:
     lines = [f"GRPO batch: {report['samples']} samples, prompt {report['prompt_len']} + response "
              f"{report['response_len']} tokens; micro-batches of {report['budget']:,} tokens "
              f"(rows to a multiple of {report['row_multiple']}); medians over steps after the "
-             f"first of {report['steps']}.", "",
-             "| arm | samples/step | useful tok/s | step s | padding | micro-batches | "
-             "hw TFLOPS/GPU | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+             f"first of {report['steps']}; first step: the first step's seconds (it compiles) "
+             f"and its ratio to the steady step.", "",
+             "| arm | samples/step | useful tok/s | step s | first step s | padding | "
+             "micro-batches | hw TFLOPS/GPU | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["arms"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['arm']} | {r['samples']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['arm']} | {r['samples']} | {r['status']} | | | | | | |")
             continue
+        first = (f"{r['first_step_s']:.2f} ({r['first_over_steady']:.2f}x)"
+                 if r.get("first_step_s") is not None else "not recorded")
         lines.append(f"| {r['arm']} | {r['samples']} | {r['useful_tokens_per_s']:,.0f} | "
-                     f"{r['step_time_s']:.2f} | {r['padding_share']:.1%} | "
+                     f"{r['step_time_s']:.2f} | {first} | {r['padding_share']:.1%} | "
                      f"{r['micro_batches']:g} | {r['hw_tflops_per_gpu']:.1f} | "
                      f"{r['peak_mem_gib']:.2f} |")
     rt = report.get("ratios") or {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -35,7 +36,8 @@ STAGES = [
 
 
 def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, timeout: int,
-         profile: str | None = None):
+         profile: str | None = None, env: dict[str, str] | None = None):
+    """One `longmoe train` subprocess; `env`: variables set for it on top of this process's."""
     cmd = longmoe_command("train", "--config", config, "--nproc", str(nproc),
                           "--steps", str(steps), "--metrics-out", str(metrics))
     if profile:
@@ -43,7 +45,8 @@ def _run(config: str, nproc: int, overrides: dict, steps: int, metrics: Path, ti
     for k, v in overrides.items():
         cmd += ["--set", f"{k}={v}"]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=child_env({**os.environ, **(env or {})}))
     except subprocess.TimeoutExpired as e:  # keep what the run printed and the steps it finished
         rows = _rows(metrics)
         return {"status": "timeout", "cmd": " ".join(cmd[2:]), "steps_done": len(rows),

@@ -63,7 +63,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, gate, fused: bool = False, dtype=None):
-        fn = compiled(gated_rms_norm) if fused else gated_rms_norm
+        fn = compiled(gated_rms_norm, token_dims={0: 1, 1: 1}) if fused else gated_rms_norm
         return fn(x, gate, self.weight, self.eps, dtype)
 
     def reset_parameters(self):

@@ -24,7 +24,9 @@ def rms_norm(x, weight, eps: float, unit_offset: bool):
 
 class RMSNorm(nn.Module):
     """On GPUs rms_norm runs compiled (one fused kernel each way; eagerly its fp32 casts, powers
-    and products took ~0.1 s of a 1.5 s step at 64K tokens on an H200); elsewhere eagerly."""
+    and products took ~0.1 s of a 1.5 s step at 64K tokens on an H200); elsewhere eagerly. The
+    token dim is symbolic in the compiled graphs (ops.compiled's `token_dims`): packed rows of any
+    length share them."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -32,13 +34,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x):
-        fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm)
+        fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm, token_dims={0: -2})
         return fn(x, self.weight, self.eps, self.unit_offset)
 
     def with_rope(self, x_BSND, cos, sin):
         """The norm, then RoPE (apply_rope): on GPUs one compiled piece, so the rotation's
         slices and concatenations fuse into the norm's kernel instead of copying q and k."""
-        fn = norm_rope if compile_unavailable(x_BSND.device) else compiled(norm_rope)
+        fn = norm_rope if compile_unavailable(x_BSND.device) else \
+            compiled(norm_rope, token_dims={0: 1, 4: -2, 5: -2})  # cos/sin: [S, R] or [B, S, R]
         return fn(x_BSND, self.weight, self.eps, self.unit_offset, cos, sin)
 
     def reset_parameters(self):

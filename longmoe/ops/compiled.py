@@ -1,11 +1,19 @@
 """torch.compile for the plain-PyTorch pieces that run as chains of small elementwise ops on a
-GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm). Inductor turns
-each chain into fused Triton kernels for whichever GPU is present; the eager function stays the
-reference and the CPU path. One compiled callable per function, shape mode and process. The
-model's pieces compile with static shapes (`dynamic=False`): packed rows of a new length compile
-them again (minutes over the first steps), up to RECOMPILE_LIMIT lengths per function. `dynamic=None` (torch's automatic dynamic shapes: at most two graphs) avoids that, but a
-packed run with it stopped inside Triton 3.6's compiler on an H200, so the model does not ask
-for it yet.
+GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm, the RMS norms).
+Inductor turns each chain into fused Triton kernels for whichever GPU is present; the eager
+function stays the reference and the CPU path. One compiled callable per function, shape mode
+and process.
+
+Shapes are static (`dynamic=False`) except the dims a caller names in `token_dims`: the row-wise
+pieces (RMSNorm, its fusion with RoPE, the gated norm) name the token dim of their activations,
+which dynamo then traces as one symbolic size (`torch._dynamo.maybe_mark_dynamic`), so packed
+rows of a new length reuse the graph instead of compiling it again. Everything else stays static:
+head counts and widths, and the pieces that do not name a dim (the compiled core, the compiled
+conv), which compile once per row length, up to RECOMPILE_LIMIT lengths per function. Torch's
+automatic dynamic shapes (`dynamic=None`, every dim that changes between calls made symbolic)
+stopped inside Triton 3.6's compiler in a packed run on an H200, so the model does not ask for it.
+LONGMOE_COMPILE_SHAPES=static in the environment ignores `token_dims`: every row length then
+compiles its own graphs (the comparison for the first step's compile time in docs/packing.md).
 
 `forced(backend)` (or LONGMOE_FORCE_COMPILE=<backend> in the environment, which reaches spawned
 ranks) runs the compiled path on any device with another torch.compile backend: tests use it on
@@ -20,7 +28,7 @@ from typing import Callable
 
 import torch
 
-_CACHE: dict[tuple[Callable, str, bool | None], Callable] = {}
+_CACHE: dict[tuple, Callable] = {}
 # Graphs one compiled function may keep (dynamo's default is 8, past which every new shape runs
 # eagerly): static-shaped pieces meet one length per packed row length, up to
 # data.max_tokens_per_micro_batch / data.row_multiple of them (32 at a 32K budget in 1K steps).
@@ -30,6 +38,11 @@ _FORCED: list[str] = []
 
 def _forced() -> str | None:
     return _FORCED[-1] if _FORCED else os.environ.get("LONGMOE_FORCE_COMPILE") or None
+
+
+def static_shapes() -> bool:
+    """True when LONGMOE_COMPILE_SHAPES=static asks for one graph per row length."""
+    return os.environ.get("LONGMOE_COMPILE_SHAPES", "") == "static"
 
 
 def compile_unavailable(device: torch.device) -> str | None:
@@ -48,14 +61,30 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def compiled(fn: Callable, dynamic: bool | None = False) -> Callable:
+def compiled(fn: Callable, dynamic: bool | None = False,
+             token_dims: dict[int, int] | None = None) -> Callable:
+    """`fn` under torch.compile. `token_dims` {positional argument: dim}: the dims that hold the
+    tokens of a row, traced as one symbolic size (a tensor argument only; None is skipped)."""
     backend = _forced() or "inductor"
     key = (fn, backend, dynamic)
     if key not in _CACHE:
         import torch._dynamo.config as dynamo_config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         _CACHE[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
-    return _CACHE[key]
+    compiled_fn = _CACHE[key]
+    if not token_dims:
+        return compiled_fn
+    dims = tuple(token_dims.items())
+
+    def call(*args, **kwargs):
+        if not static_shapes():
+            for i, d in dims:
+                t = args[i] if i < len(args) else None
+                # a length of 1 stays static: dynamo specialises sizes 0 and 1 anyway
+                if isinstance(t, torch.Tensor) and t.shape[d] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, d % t.dim())
+        return compiled_fn(*args, **kwargs)
+    return call
 
 
 @contextlib.contextmanager
