@@ -131,15 +131,17 @@ ROW = {"prompt": [1, 2], "response": [3, 4, 5], "advantage": 0.5,
 
 @pytest.mark.parametrize("mask", [[True, False, True], [1, 0, 1], [1.0, 0.0, 1.0]])
 def test_files_accept_the_masks_the_api_accepts(tmp_path, mask):
+    from longmoe.data.rows import FittedFile, full_rows
     from longmoe.data.sources import JsonlSource
     from longmoe.data.validate import check_sample
-    from longmoe.train.data import read_jsonl
     p = tmp_path / "r.jsonl"
     p.write_text(json.dumps({**ROW, "loss_mask": mask}) + "\n")
     src = JsonlSource(p, lambda row, where: check_sample(row, where, 40))
     assert src.get_many([0])[0].loss_mask.tolist() == [True, False, True]
-    data = read_jsonl(p, vocab_size=40, seq_len=8)
-    assert data.counts()["data_rows"] == 1 and data.rows[0]["loss_mask"] == mask
+    data = FittedFile(p, vocab_size=40, seq_len=8)   # the rows way (no token budget)
+    assert data.counts()["data_rows"] == 1 and data.masked == []
+    labels = full_rows(data.source, data.kept, 8).labels[0]
+    assert labels[1:4].tolist() == [3, -100, 5]  # response tokens 0 and 2 trained
 
 
 def test_parquet_bool_mask_column_loads(tmp_path):

@@ -1,5 +1,5 @@
-"""RL batches (synthetic GRPO groups, JSONL rows and their packing) and the policy losses against
-hand computations in float64."""
+"""RL batches (synthetic GRPO groups and JSONL rows in full rows of seq_len, longmoe.data.rows)
+and the policy losses against hand computations in float64."""
 
 import json
 import math
@@ -8,11 +8,13 @@ import random
 import pytest
 import torch
 
-from longmoe.errors import UserError
-from longmoe.train.config import DataConfig, LossConfig
+from _rows import feed_rows, rows_of
+from longmoe.data.packing import IGNORE
+from longmoe.data.rows import FittedFile
+from longmoe.data.rule import RuleSource
 from longmoe.data.validate import fit
-from longmoe.train.data import (IGNORE, Batch, JsonlData, JsonlSource, SyntheticSource, _pack,
-                                make_source, read_jsonl)
+from longmoe.errors import UserError
+from longmoe.train.config import LossConfig
 from longmoe.rl.objective import TokenInputs
 from longmoe.train.loss import policy_loss as _policy_loss
 
@@ -20,30 +22,32 @@ from longmoe.train.loss import policy_loss as _policy_loss
 # ---- synthetic -------------------------------------------------------------------------------
 
 V = 37
-SYN = DataConfig(batch_size=6, seq_len=23, prompt_len=5, group_size=3)
+SYN = dict(batch_size=6, seq_len=23, prompt_len=5, group_size=3)
+
+
+def syn(cfg, seed, step, rank, world):
+    return feed_rows(cfg, step, rank, world, vocab=V, seed=seed)[0]
 
 
 def test_synthetic_deterministic_and_distinct():
-    a = SyntheticSource(SYN, V, seed=11)
-    b = SyntheticSource(SYN, V, seed=11)
-    x = a.batch(step=3, rank=1, world=2)
-    y = b.batch(step=3, rank=1, world=2)
+    x = syn(SYN, 11, step=3, rank=1, world=2)
+    y = syn(SYN, 11, step=3, rank=1, world=2)
     for f in ("input_ids", "labels", "advantages", "old_logprobs"):
         assert torch.equal(getattr(x, f).nan_to_num(7.0), getattr(y, f).nan_to_num(7.0)), f
-    assert not torch.equal(x.input_ids, a.batch(step=3, rank=0, world=2).input_ids)
-    assert not torch.equal(x.input_ids, a.batch(step=4, rank=1, world=2).input_ids)
-    assert not torch.equal(x.input_ids, SyntheticSource(SYN, V, seed=12).batch(3, 1, 2).input_ids)
+    assert not torch.equal(x.input_ids, syn(SYN, 11, step=3, rank=0, world=2).input_ids)
+    assert not torch.equal(x.input_ids, syn(SYN, 11, step=4, rank=1, world=2).input_ids)
+    assert not torch.equal(x.input_ids, syn(SYN, 12, 3, 1, 2).input_ids)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("cfg", [SYN, DataConfig(batch_size=8, seq_len=16, prompt_len=1, group_size=4)])
+@pytest.mark.parametrize("cfg", [SYN, dict(batch_size=8, seq_len=16, prompt_len=1, group_size=4)])
 def test_synthetic_layout(cfg, world):
-    src = SyntheticSource(cfg, V, seed=random.randrange(2**31))
-    bt = src.batch(step=random.randrange(100), rank=random.randrange(world), world=world)
+    bt = syn(cfg, random.randrange(2**31), step=random.randrange(100),
+             rank=random.randrange(world), world=world)
     # data.batch_size is the global batch: each of `world` data ranks holds its share
-    B, S, P, G = cfg.batch_size // world, cfg.seq_len, cfg.prompt_len, cfg.group_size
+    B, S, P, G = cfg["batch_size"] // world, cfg["seq_len"], cfg["prompt_len"], cfg["group_size"]
     assert bt.input_ids.shape == bt.labels.shape == bt.advantages.shape == bt.old_logprobs.shape == (B, S)
-    assert bt.num_tokens == B * S
+    assert bt.input_ids.numel() == B * S and not bt.packed
     assert bt.input_ids.dtype == bt.labels.dtype == torch.long
     assert (0 <= bt.input_ids).all() and (bt.input_ids < V).all()
     mask = bt.labels != IGNORE
@@ -70,41 +74,45 @@ def test_synthetic_layout(cfg, world):
     assert torch.isnan(bt.old_logprobs[~mask]).all()
 
 
+def _cat(batches, f):
+    return torch.cat([getattr(b, f) for b in batches])
+
+
 @pytest.mark.parametrize("source", ["synthetic", "jsonl"])
 def test_global_batch_is_the_same_on_any_world_size(tmp_path, source):
     # Data ranks' shares, concatenated in rank order, are the world-1 batch of the same step.
     if source == "synthetic":
-        cfg = DataConfig(batch_size=12, seq_len=19, prompt_len=4, group_size=3)
-        src = SyntheticSource(cfg, V, seed=random.randrange(2**31))
+        cfg = dict(batch_size=12, seq_len=19, prompt_len=4, group_size=3)
+        seed = random.randrange(2**31)
     else:
         rows = [{"prompt": [i % V], "response": [(i + 1) % V, (i + 2) % V], "advantage": i * 0.5}
                 for i in range(17)]  # not a multiple of the batch: the source wraps around
-        cfg = DataConfig(source="jsonl", path=str(_jsonl(tmp_path, rows)), batch_size=12,
-                         seq_len=5)
-        src = make_source(cfg, V, seed=0)
+        cfg = dict(source="jsonl", path=str(_jsonl(tmp_path, rows)), batch_size=12, seq_len=5)
+        seed = 0
+    batch = lambda step, r, world: feed_rows(cfg, step, r, world, vocab=V, seed=seed)[0]  # noqa: E731
     for step in (0, 3):
-        whole = src.batch(step, 0, 1)
+        whole = batch(step, 0, 1)
         assert whole.input_ids.shape[0] == 12
         for world in (2, 3, 4, 6, 12):
-            parts = Batch.cat([src.batch(step, r, world) for r in range(world)])
-            for f in ("input_ids", "labels", "advantages", "old_logprobs"):
-                assert torch.equal(getattr(parts, f).nan_to_num(7.0),
+            parts = [batch(step, r, world) for r in range(world)]
+            for f in ("input_ids", "labels", "advantages", "old_logprobs", "sample_tokens"):
+                assert torch.equal(_cat(parts, f).nan_to_num(7.0),
                                    getattr(whole, f).nan_to_num(7.0)), (step, world, f)
-    assert not torch.equal(src.batch(0, 0, 1).input_ids, src.batch(1, 0, 1).input_ids)
+    assert not torch.equal(batch(0, 0, 1).input_ids, batch(1, 0, 1).input_ids)
     with pytest.raises(UserError, match=r"^data\.batch_size: 12 sequences .* 5 data ranks"):
-        src.batch(0, 0, 5)
+        batch(0, 0, 5)
 
 
 def test_synthetic_reward_follows_rule():
     # Responses with larger advantage follow the hidden rule more often.
-    cfg = DataConfig(batch_size=16, seq_len=64, prompt_len=4, group_size=4)
-    src = SyntheticSource(cfg, V, seed=5)
-    bt = src.batch(0, 0, 1)
-    P = cfg.prompt_len
+    cfg = dict(batch_size=16, seq_len=64, prompt_len=4, group_size=4)
+    bt = syn(cfg, 5, 0, 0, 1)
+    rule = RuleSource(V, 5, 4, None, 4, full_rows=(64, 16)).rule
+    P = cfg["prompt_len"]
     seq = torch.cat([bt.input_ids[:, P - 1:], bt.labels[:, -1:]], dim=1)  # last prompt token + response
-    follow = (src.rule[seq[:, :-1]] == seq[:, 1:]).double().mean(1)
+    follow = (rule[seq[:, :-1]] == seq[:, 1:]).double().mean(1)
     adv = bt.advantages[:, P - 1].double()
-    for g in range(cfg.batch_size // cfg.group_size):
+    for g in range(cfg["batch_size"] // cfg["group_size"]):
         s = slice(g * 4, g * 4 + 4)
         # Noise can coincide with the rule (prob 1/V), so compare ranks on well-separated pairs.
         a, f = adv[s], follow[s]
@@ -123,6 +131,23 @@ def _jsonl(tmp_path, lines, name="d.jsonl"):
 
 GOOD = {"prompt": [1, 2, 3], "response": [4, 5], "advantage": 0.5}
 ONE = {"prompt": [1], "response": [2, 3]}
+
+
+def _rows(data: FittedFile) -> list[dict]:
+    """The kept rows as trained (truncated where data.overlong cut them), as dicts."""
+    out = []
+    for s in data.source.get_many([int(i) for i in data.kept]):
+        s = s.truncated(data.seq_len + 1)
+        row = {"prompt": s.prompt.tolist(), "response": s.response.tolist(),
+               "advantage": (s.advantage.tolist() if isinstance(s.advantage, torch.Tensor)
+                             else s.advantage)}
+        for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+            if getattr(s, k) is not None:
+                row[k] = getattr(s, k).tolist()
+        if s.loss_mask is not None:
+            row["loss_mask"] = s.loss_mask.int().tolist()
+        out.append(row)
+    return out
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -160,22 +185,22 @@ ONE = {"prompt": [1], "response": [2, 3]}
     ({"prompt": [1] * 4, "response": [2] * 4, "advantage": 1.0},
      "response: prompt 4 \\+ response 4 tokens exceed data.seq_len=6"),
 ])
-def test_read_jsonl_errors_name_line_and_field(tmp_path, bad, msg):
+def test_jsonl_errors_name_line_and_field(tmp_path, bad, msg):
     # The bad row is on line 4: a blank line still counts.
     p = _jsonl(tmp_path, [GOOD, GOOD, "", bad, GOOD])
     with pytest.raises(UserError, match=msg) as ei:
-        read_jsonl(p, vocab_size=40, seq_len=6)
+        FittedFile(p, vocab_size=40, seq_len=6)
     assert str(ei.value).startswith(f"{p}:4: "), str(ei.value)
     assert "\n" not in str(ei.value)
 
 
-def test_read_jsonl_missing_and_empty(tmp_path):
+def test_jsonl_missing_and_empty(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        read_jsonl(tmp_path / "nope.jsonl", 10, 8)
+        FittedFile(tmp_path / "nope.jsonl", 10, 8)
     with pytest.raises(UserError, match="no rows"):
-        read_jsonl(_jsonl(tmp_path, ["", "  "]), 10, 8)
-    data = read_jsonl(_jsonl(tmp_path, [GOOD, "", GOOD]), 10, 8)
-    assert data.rows == [GOOD, GOOD] and data.lines == [1, 3]
+        FittedFile(_jsonl(tmp_path, ["", "  "]), 10, 8)
+    data = FittedFile(_jsonl(tmp_path, [GOOD, "", GOOD]), 10, 8)
+    assert _rows(data) == [GOOD, GOOD] and data.lines == [1, 3]
     assert data.counts() == {"data_rows": 2, "data_dropped": 0, "data_truncated": 0,
                              "data_masked": 0}
 
@@ -187,43 +212,43 @@ def test_overlong_policies(tmp_path):
     no_room = {"prompt": [1] * 7, "response": [2], "advantage": 1.0}
     p = _jsonl(tmp_path, [fits, long, fits])
     with pytest.raises(UserError, match=f"^{p}:2: response: prompt 2 \\+ response 7"):
-        read_jsonl(p, 40, seq_len=6)  # overlong=error is the default
-    drop = read_jsonl(p, 40, seq_len=6, overlong="drop")
-    assert drop.rows == [fits, fits] and drop.dropped == [2] and drop.lines == [1, 3]
+        FittedFile(p, 40, seq_len=6)  # overlong=error is the default
+    drop = FittedFile(p, 40, seq_len=6, overlong="drop")
+    assert _rows(drop) == [fits, fits] and drop.dropped == [2] and drop.lines == [1, 3]
     assert drop.counts()["data_dropped"] == 1 and "1 dropped (line 2)" in drop.describe()
-    cut = read_jsonl(p, 40, seq_len=6, overlong="truncate")
+    cut = FittedFile(p, 40, seq_len=6, overlong="truncate")
     assert cut.truncated == [False, True, False] and "1 truncated (line 2)" in cut.describe()
-    row = cut.rows[1]
+    row = _rows(cut)[1]
     assert row["response"] == [3, 4, 5, 6, 7] and row["loss_mask"] == [1, 1, 0, 1, 1]
-    assert row["advantage"] == long["advantage"][:5] and row["old_logprobs"] == [-0.5] * 5
+    assert row["advantage"] == torch.tensor(long["advantage"][:5]).tolist()  # as float32
+    assert row["old_logprobs"] == [-0.5] * 5
     # Truncation keeps every token that fits: the packed row trains response tokens 0, 1, 3, 4.
-    bt = JsonlSource(DataConfig(source="jsonl", path=str(p), batch_size=3, seq_len=6,
-                                overlong="truncate"), 40, data=cut).batch(0, 0, 1)
-    assert bt.truncated == 1 and bt.masked == 0
+    bt, data = feed_rows(dict(source="jsonl", path=str(p), batch_size=3, seq_len=6,
+                              overlong="truncate"), 0, vocab=40)
+    assert data.truncated == 1 and data.masked == 0 and bt.masked == 0
     assert bt.labels[1].tolist() == [IGNORE, 3, 4, IGNORE, 6, 7]
     # A prompt with no room is an error under truncate too, and dropped under drop.
     q = _jsonl(tmp_path, [fits, no_room], name="q.jsonl")
     with pytest.raises(UserError, match=f"^{q}:2: prompt: 7 tokens leave no room"):
-        read_jsonl(q, 40, seq_len=6, overlong="truncate")
-    assert read_jsonl(q, 40, seq_len=6, overlong="drop").dropped == [2]
+        FittedFile(q, 40, seq_len=6, overlong="truncate")
+    assert FittedFile(q, 40, seq_len=6, overlong="drop").dropped == [2]
     with pytest.raises(UserError, match="no rows .*1 dropped"):
-        read_jsonl(_jsonl(tmp_path, [no_room], name="r.jsonl"), 40, seq_len=6, overlong="drop")
+        FittedFile(_jsonl(tmp_path, [no_room], name="r.jsonl"), 40, seq_len=6, overlong="drop")
 
 
 def test_all_masked_rows_are_counted(tmp_path):
     masked = {"prompt": [1], "response": [2, 3], "advantage": 1.0, "loss_mask": [0, 0]}
     first_only = {"prompt": [], "response": [2], "advantage": 1.0}  # token 0 has no position
     p = _jsonl(tmp_path, [GOOD, masked, first_only, GOOD])
-    data = read_jsonl(p, 40, seq_len=8)
+    data = FittedFile(p, 40, seq_len=8)
     assert data.masked == [2, 3] and data.counts()["data_masked"] == 2
     assert "2 with no trained token" in data.describe()
-    src = JsonlSource(DataConfig(source="jsonl", path=str(p), batch_size=4, seq_len=8), 40,
-                      data=data)
-    bt = src.batch(0, 0, 1)
-    assert bt.masked == 2 and bt.truncated == 0
+    cfg = dict(source="jsonl", path=str(p), batch_size=4, seq_len=8)
+    bt, step = feed_rows(cfg, 0, vocab=40)
+    assert bt.masked == step.masked == 2 and step.truncated == 0
     assert ((bt.labels != IGNORE).sum(1) == 0).tolist() == [False, True, True, False]
-    halves = [src.batch(0, r, 2) for r in range(2)]
-    assert [h.masked for h in halves] == [1, 1] and Batch.cat(halves).masked == 2
+    halves = [feed_rows(cfg, 0, r, 2, vocab=40)[1] for r in range(2)]
+    assert [h.masked for h in halves] == [1, 1] and sum(h.masked for h in halves) == 2
 
 
 def test_fit_keeps_fitting_rows_unchanged():
@@ -238,7 +263,7 @@ def test_pack_positions_advantages_mask():
           "old_logprobs": [-0.1, -0.2, -0.3, -0.4]}
     s2 = {"prompt": [3], "response": [21, 22], "advantage": -0.75}
     S = 10
-    bt = _pack([s1, s2], S)
+    bt = rows_of([s1, s2], S)
     assert torch.equal(bt.input_ids[0], torch.tensor([7, 8, 9, 11, 12, 13, 14, 0, 0, 0]))
     assert torch.equal(bt.input_ids[1, :3], torch.tensor([3, 21, 22]))
     # Response token j is predicted at position len(prompt) + j - 1; j=1 is masked out.
@@ -258,41 +283,39 @@ def test_pack_positions_advantages_mask():
     assert torch.equal(bt.advantages[1, :2], torch.tensor([-0.75, -0.75]))
     assert (bt.advantages[1, 2:] == 0).all()
     assert torch.isnan(bt.old_logprobs[1]).all()
-    assert bt.masked == 0
+    assert bt.masked == 0 and not bt.packed
 
 
 def test_pack_fills_the_sequence_and_cuts_nothing():
     # seq_len + 1 tokens fit: the last response token is the last position's label only.
     s = {"prompt": [1, 2, 3], "response": [4, 5, 6], "advantage": [1.0, 2.0, 3.0]}
-    bt = _pack([s], 5)
+    bt = rows_of([s], 5)
     assert torch.equal(bt.input_ids[0], torch.tensor([1, 2, 3, 4, 5]))
     assert torch.equal(bt.labels[0], torch.tensor([IGNORE, IGNORE, 4, 5, 6]))
     assert torch.equal(bt.advantages[0], torch.tensor([0.0, 0.0, 1.0, 2.0, 3.0]))
-    with pytest.raises(ValueError, match="more than seq_len"):
-        _pack([{**s, "response": [4, 5, 6, 7], "advantage": 1.0}], 5)
+    with pytest.raises(ValueError, match="does not fit seq_len=5"):
+        rows_of([{**s, "response": [4, 5, 6, 7], "advantage": 1.0}], 5)
 
 
 def test_jsonl_round_robin(tmp_path):
     n_rows, B, world = 7, 6, 3
     rows = [{"prompt": [i], "response": [i + 10, i + 20], "advantage": float(i)} for i in range(n_rows)]
     path = _jsonl(tmp_path, rows)
-    cfg = DataConfig(source="jsonl", path=str(path), batch_size=B, seq_len=5)
-    src = make_source(cfg, vocab_size=40, seed=0)
-    assert isinstance(src, JsonlSource)
+    cfg = dict(source="jsonl", path=str(path), batch_size=B, seq_len=5)
     seen = []
     n = B // world
     for step in range(3):
         for rank in range(world):
-            bt = src.batch(step, rank, world)
+            bt = feed_rows(cfg, step, rank, world, vocab=40)[0]
             first = step * B + rank * n  # global sequence index of the rank's first row
             want = [(first + i) % n_rows for i in range(n)]
             assert bt.input_ids[:, 0].tolist() == want, (step, rank)
             assert bt.advantages[:, 0].tolist() == [float(w) for w in want]
             seen += want
     assert set(seen) == set(range(n_rows))
-    # Same rows passed in directly give the same batches.
-    direct = JsonlSource(cfg, 40, data=JsonlData(path, rows, [False] * n_rows))
-    assert torch.equal(direct.batch(2, 1, world).input_ids, src.batch(2, 1, world).input_ids)
+    # The file opened again (another rank, a resumed run) gives the same batches.
+    again = FittedFile(path, 40, 5).step_rows(2, B, 1, n, 0, False)[0]
+    assert torch.equal(again.input_ids, feed_rows(cfg, 2, 1, world, vocab=40)[0].input_ids)
 
 
 # ---- policy loss -----------------------------------------------------------------------------

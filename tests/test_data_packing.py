@@ -11,7 +11,7 @@ from longmoe.data.overlong import check_budget, fit_lengths
 from longmoe.data.packing import IGNORE, pack_rows, row_sample_lengths
 from longmoe.data.sample import Sample, trained_tokens
 from longmoe.errors import ConfigError, UserError
-from longmoe.train.data import _pack
+from _rows import single_rows
 
 V = 53
 
@@ -71,9 +71,9 @@ def test_packed_rows_match_single_sample_rows(seed):
             assert torch.equal(b.input_ids[r, sl], torch.cat([s.prompt, s.response]))
             for key, packed in (("old_logprobs", b.old_logprobs), ("ref_logprobs", b.ref_logprobs),
                                 ("rollout_logprobs", b.rollout_logprobs)):
-                ref = _pack([as_row(s, key)], seq_len=L)
+                ref = single_rows([as_row(s, key)], seq_len=L)
                 assert same(packed[r, sl], ref.old_logprobs[0]), key
-            ref = _pack([as_row(s)], seq_len=L)
+            ref = single_rows([as_row(s)], seq_len=L)
             assert torch.equal(b.labels[r, sl], ref.labels[0])
             assert same(b.advantages[r, sl], ref.advantages[0])
             assert b.labels[r, o + L - 1] == IGNORE       # never predicts the next sample

@@ -11,13 +11,16 @@ import sys
 import pytest
 import torch
 
+from _rows import feed_rows, rows_of
+from longmoe.data.packing import IGNORE
+from longmoe.data.rows import FittedFile
 from longmoe.errors import ConfigError, UserError
+from longmoe.parallel.context_parallel import cp_share
 from longmoe.parallel.mesh import Layout
 from longmoe.rl.objective import local_counts
-from longmoe.train.config import DataConfig, LossConfig, load_run_config
-from longmoe.train.data import IGNORE, Batch, SyntheticSource, _pack, make_source, read_jsonl
+from longmoe.train.config import LossConfig, load_run_config
 from longmoe.train.launch import validate
-from longmoe.train.step import global_counts, local_batch
+from longmoe.train.step import global_counts
 
 
 def test_loss_section_fields():
@@ -78,7 +81,7 @@ def test_logprob_fields_checked_like_old_logprobs(tmp_path, field, value, msg):
     p = _write(tmp_path, [ROW, bad])
     with pytest.raises(UserError, match=f"^{p}:2: {field}.*{msg}" if "list" not in msg
                        else f"^{p}:2: {field} {msg}"):
-        read_jsonl(p, 40, 8)
+        FittedFile(p, 40, 8)
 
 
 def test_required_logprobs_missing_is_an_error_at_load(tmp_path):
@@ -87,12 +90,12 @@ def test_required_logprobs_missing_is_an_error_at_load(tmp_path):
     need = LossConfig(kl_coef=0.1, tis_cap=2.0).required_logprobs()
     with pytest.raises(UserError, match=rf"^{p}:2: missing field 'rollout_logprobs' "
                                         rf"\(loss.tis_cap=2 needs the rollout engine's"):
-        read_jsonl(p, 40, 8, require=need)
+        FittedFile(p, 40, 8, require=need)
     with pytest.raises(UserError, match="missing field 'rollout_logprobs'"):
-        make_source(DataConfig(source="jsonl", path=str(p), batch_size=2, seq_len=8), 40, 0,
-                    require=need)
+        feed_rows(dict(source="jsonl", path=str(p), batch_size=2, seq_len=8), 0, vocab=40,
+                  loss=dict(kl_coef=0.1, tis_cap=2.0))
     # Without the TIS term the same file loads: the field is optional.
-    assert len(read_jsonl(p, 40, 8, require=LossConfig(kl_coef=0.1).required_logprobs()).rows) == 2
+    assert len(FittedFile(p, 40, 8, require=LossConfig(kl_coef=0.1).required_logprobs()).kept) == 2
 
 
 def test_launch_rejects_missing_ref_logprobs_before_any_rank(tmp_path):
@@ -117,8 +120,13 @@ def test_truncation_cuts_every_logprob_field(tmp_path):
     long = {"prompt": [1, 2], "response": [3, 4, 5, 6, 7, 8], "advantage": 1.0,
             "old_logprobs": [-0.1] * 6, "ref_logprobs": [-0.2, -0.3, -0.4, -0.5, -0.6, -0.7],
             "rollout_logprobs": [-0.9] * 6}
-    row = read_jsonl(_write(tmp_path, [long]), 40, 4, overlong="truncate").rows[0]
-    assert row["ref_logprobs"] == [-0.2, -0.3, -0.4] and row["rollout_logprobs"] == [-0.9] * 3
+    bt, _ = feed_rows(dict(source="jsonl", path=str(_write(tmp_path, [long])), batch_size=1,
+                           seq_len=4, overlong="truncate"), 0, vocab=40)
+    trained = bt.labels[0] != IGNORE   # 4 positions: the prompt's last and 3 response tokens
+    assert bt.labels[0][trained].tolist() == [3, 4, 5]
+    assert torch.equal(bt.ref_logprobs[0][trained], torch.tensor([-0.2, -0.3, -0.4]))
+    assert torch.equal(bt.rollout_logprobs[0][trained], torch.tensor([-0.9] * 3))
+    assert torch.equal(bt.old_logprobs[0][trained], torch.tensor([-0.1] * 3))
 
 
 # ---- batches ----------------------------------------------------------------------------------
@@ -127,20 +135,20 @@ def test_pack_places_ref_and_rollout_logprobs():
     s1 = {"prompt": [7, 8], "response": [11, 12, 13], "advantage": 1.0, "loss_mask": [1, 0, 1],
           "ref_logprobs": [-0.1, -0.2, -0.3], "rollout_logprobs": [-1.1, -1.2, -1.3]}
     s2 = {"prompt": [3], "response": [21, 22], "advantage": -0.5}
-    bt = _pack([s1, s2], 6)
+    bt = rows_of([s1, s2], 6)
     trained = bt.labels[0] != IGNORE
     assert trained.tolist() == [False, True, False, True, False, False]
     torch.testing.assert_close(bt.ref_logprobs[0][trained], torch.tensor([-0.1, -0.3]))
     torch.testing.assert_close(bt.rollout_logprobs[0][trained], torch.tensor([-1.1, -1.3]))
     assert torch.isnan(bt.ref_logprobs[0][~trained]).all()
     assert torch.isnan(bt.ref_logprobs[1]).all() and torch.isnan(bt.rollout_logprobs[1]).all()
-    # One sample per row: each token carries its row's trained-token count.
-    assert bt.sample_tokens.tolist() == [[2] * 6, [2] * 6]
+    # One sample per row: each of its tokens carries its trained-token count, padding 0.
+    assert bt.sample_tokens.tolist() == [[2] * 5 + [0], [2] * 3 + [0] * 3]
 
 
 def test_synthetic_has_every_logprob_field():
-    cfg = DataConfig(batch_size=4, seq_len=20, prompt_len=4, group_size=2)
-    bt = SyntheticSource(cfg, 37, seed=3).batch(1, 0, 1)
+    cfg = dict(batch_size=4, seq_len=20, prompt_len=4, group_size=2)
+    bt, _ = feed_rows(cfg, 1, vocab=37, seed=3)
     mask = bt.labels != IGNORE
     for f in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
         t = getattr(bt, f)
@@ -148,16 +156,17 @@ def test_synthetic_has_every_logprob_field():
         assert torch.isnan(t[~mask]).all()
 
 
-def test_sample_tokens_survive_cat_to_and_context_parallel_split():
+def test_sample_tokens_survive_to_and_context_parallel_split():
     s = [{"prompt": [1] * p, "response": [2] * r, "advantage": 1.0} for p, r in ((2, 7), (5, 2))]
-    bt = Batch.cat([_pack([x], 8) for x in s]).to("cpu")
+    bt = rows_of(s, 8).to("cpu")
     assert bt.sample_tokens[:, 0].tolist() == [7, 2]
     assert global_counts(bt, Layout(1, 0, 1, None, None, None)) == (9, 2)
     # Each CP rank holds part of every sequence; counts stay those of the whole samples and
     # the ranks' sample shares add up to the two samples.
     shares = []
     for r in range(2):
-        part, pos = local_batch(bt, Layout(2, r, 1, None, None, None, cp=2))
+        layout = Layout(2, r, 1, None, None, None, cp=2)
+        part, pos = cp_share(bt, layout.cp, layout.cp_rank)
         assert part.input_ids.shape == (2, 4) and part.sample_tokens[:, 0].tolist() == [7, 2]
         assert torch.equal(part.ref_logprobs.isnan(), torch.ones(2, 4, dtype=torch.bool))
         shares.append(local_counts(part.labels != IGNORE, part.sample_tokens))

@@ -231,7 +231,7 @@ def test_file_source_epochs_shuffle_and_resume(tmp_path):
                                "train": {"seed": 3}}), 0, 1)
 
     def indices(f, step):
-        return sorted(i for m in f.step(step).micro for row in m.batch.sample_index for i in row)
+        return sorted(i for m in f.step(step).micro for row in m.sample_index for i in row)
 
     f = feed(True)
     steps = [indices(f, s) for s in range(5)]
@@ -240,9 +240,9 @@ def test_file_source_epochs_shuffle_and_resume(tmp_path):
     assert sum(steps, []) != sorted(sum(steps, []))
     again = feed(True).step(3)
     first = f.step(3)
-    assert [m.batch.sample_index for m in again.micro] == \
-        [m.batch.sample_index for m in first.micro]
-    assert all(torch.equal(a.batch.input_ids, b.batch.input_ids)
+    assert [m.sample_index for m in again.micro] == \
+        [m.sample_index for m in first.micro]
+    assert all(torch.equal(a.input_ids, b.input_ids)
                for a, b in zip(again.micro, first.micro))
     assert indices(feed(False), 0) == [0, 1, 2, 3] and indices(feed(False), 3) == [2, 3, 4, 5]
     # A synthetic pool the size of the batch: every step trains the same samples.
@@ -252,4 +252,4 @@ def test_file_source_epochs_shuffle_and_resume(tmp_path):
                                     "max_tokens_per_micro_batch": 16}}), 0, 1)
     a, b = pool.step(0), pool.step(5)
     assert indices(pool, 0) == list(range(6))
-    assert [m.batch.sample_index for m in a.micro] == [m.batch.sample_index for m in b.micro]
+    assert [m.sample_index for m in a.micro] == [m.sample_index for m in b.micro]

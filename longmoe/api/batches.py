@@ -25,7 +25,7 @@ from longmoe.data.packing import pack_rows, round_up
 from longmoe.data.sample import Sample, trained_tokens
 from longmoe.parallel.context_parallel import zigzag_positions
 from longmoe.train.config import RunConfig
-from longmoe.train.feed import Micro, StepData, min_row, pad_multiple
+from longmoe.train.feed import StepData, min_row, pad_multiple
 
 
 @dataclass(frozen=True)
@@ -76,19 +76,18 @@ def rank_step_data(run: RunConfig, call: CallPlan, data_rank: int,
         ks = [k for mb in mine for k in mb]
         width = round_up(max([len(call.fitted[k]) for k in ks] + [least]), mult)
         rows = [[get(k)] for k in ks] or [[]]
-        batches = [(pack_rows(rows, seq_len=width), False)]
+        micro = [pack_rows(rows, seq_len=width, packed=False)]
     elif call.budget is None:
         ks = [k for mb in mine for k in mb]
-        batches = [(pack_rows([[get(k) for k in ks]], pad_multiple=mult, min_len=least), True)]
+        micro = [pack_rows([[get(k) for k in ks]], pad_multiple=mult, min_len=least)]
     else:
         fixed = None if call.packed else call.budget
-        batches = [(pack_rows([[get(k) for k in mb]], seq_len=fixed, pad_multiple=mult,
-                              min_len=least), call.packed) for mb in mine]
-    micro = [Micro(pb, packed) for pb, packed in batches]
+        micro = [pack_rows([[get(k) for k in mb]], seq_len=fixed, pad_multiple=mult,
+                           min_len=least, packed=call.packed) for mb in mine]
     lengths = [len(call.fitted[k]) for mb in mine for k in mb]
     masked = sum(1 for mb in mine for k in mb if trained_tokens(call.fitted[k]) == 0)
     cost = sum(sample_cost(n, call.crossover) for n in lengths)
-    return StepData(micro, lengths, sum(m.batch.input_ids.numel() for m in micro), masked,
+    return StepData(micro, lengths, sum(m.input_ids.numel() for m in micro), masked,
                     plan=call.plan.stats, overlong=call.plan.overlong, cost=cost)
 
 

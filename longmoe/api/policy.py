@@ -327,8 +327,7 @@ class PolicyTrainer:
         flat = torch.zeros(2 * k * T, dtype=torch.float32, device=self.device)
         results = []
         for mb in data.micro:
-            batch, positions, packing = local_micro_batch(mb.batch, mb.packed, self.layout,
-                                                          self.device)
+            batch, positions, packing = local_micro_batch(mb, self.layout, self.device)
             if self.layout.cp > 1:
                 set_cp_row_length(self.model, self.layout, mb.row_len)
             lp, ent = forward_logprobs(self.model, batch.input_ids, batch.labels, positions,

@@ -31,7 +31,7 @@ def _pass_fn(mode, model, data, run, layout, device, counts):
 
     def logprobs(entropy: bool):
         for mb in data.micro:
-            batch, positions, packing = local_micro_batch(mb.batch, mb.packed, layout, device)
+            batch, positions, packing = local_micro_batch(mb, layout, device)
             compute_logprobs(model, batch.input_ids, batch.labels, positions, packing,
                              with_entropy=entropy)
 

@@ -13,11 +13,23 @@ where the sample gave no such log-probs).
 A sample never spans two rows: the planner keeps every sample within the budget (overlong.py).
 Rows are padded to the longest row rounded up to `pad_multiple` (2*cp for the zigzag split of
 context parallel), or to a fixed `seq_len` when shapes must not change between micro-batches.
+With `label_tail` a row's last sample may hold one token more than the row has positions: that
+token is never an input, only the label of the row's last position (full rows of seq_len train
+a sample of seq_len + 1 tokens).
+
+`sample_tokens` gives every token its whole sample's trained-token count (0 on padding), for the
+per-sample loss aggregation modes; it is counted here, before a context-parallel split of a row,
+and travels with the tokens. `packed` says what the model is told: True, rows of samples end to
+end (the model gets their boundaries, longmoe.model.packing); False, one sample per row,
+attention plainly causal over the row.
+
+Every per-token tensor is [R, S]; `map_tokens` applies one function to all of them (moving to a
+device, the context-parallel slice), keeping the per-row bookkeeping.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -41,13 +53,37 @@ class PackedBatch:
     rollout_logprobs: torch.Tensor
     sample_ids: torch.Tensor        # [R, S] int64, -1 on padding
     positions: torch.Tensor         # [R, S] int64, restarting at 0 per sample
-    row_lengths: tuple[tuple[int, ...], ...]    # per row, its samples' lengths in order
+    sample_tokens: torch.Tensor     # [R, S] int64, the trained tokens of each token's sample
+    row_lengths: tuple[tuple[int, ...], ...]    # per row, its samples' tokens in it, in order
     sample_index: tuple[tuple[int, ...], ...]   # per row, its samples' source indices
+    packed: bool = True             # rows of samples end to end (else one sample a row)
+
+    TOKEN_FIELDS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs",
+                    "rollout_logprobs", "sample_ids", "positions", "sample_tokens")
+
+    def map_tokens(self, fn) -> "PackedBatch":
+        """The same batch with `fn` applied to every per-token tensor."""
+        return replace(self, **{f: fn(getattr(self, f)) for f in self.TOKEN_FIELDS})
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(**{f.name: (getattr(self, f.name).to(device)
-                                       if isinstance(getattr(self, f.name), torch.Tensor)
-                                       else getattr(self, f.name)) for f in fields(self)})
+        return self.map_tokens(lambda t: t.to(device))
+
+    @property
+    def row_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(r) for r in self.row_lengths)
+
+    @property
+    def masked(self) -> int:
+        """Samples with no trained token."""
+        return self.num_samples - self.trained_samples
+
+    @property
+    def trained_samples(self) -> int:
+        return int(self.sample_ids[self.labels != IGNORE].unique().numel())
 
     @property
     def useful_tokens(self) -> int:
@@ -69,17 +105,20 @@ def _put(dst: torch.Tensor, run, val: torch.Tensor, keep: torch.Tensor | None, f
 
 
 def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
-              pad_multiple: int = 1, min_len: int = 1) -> PackedBatch:
+              pad_multiple: int = 1, min_len: int = 1, packed: bool = True,
+              label_tail: bool = False) -> PackedBatch:
     """Pack each inner list into one row. No rows (a rank's empty micro-batch) gives one row of
     padding, so the rank still runs the step's collectives with nothing to train. Without a
     fixed `seq_len` rows take the longest row's tokens (at least `min_len`) rounded up to
-    `pad_multiple`."""
+    `pad_multiple`. `packed`: the batch's flag (module docstring); `label_tail`: a row of a
+    fixed `seq_len` takes one token more, as its last label."""
     if not rows:
         rows = [[]]
     used = [sum(len(s) for s in row) for row in rows]
     S = round_up(max(max(used), min_len, 1), pad_multiple) if seq_len is None else seq_len
-    if max(used) > S:
-        raise ValueError(f"a row of {max(used)} tokens does not fit seq_len={S}")
+    if max(used) > S + (label_tail and seq_len is not None):
+        raise ValueError(f"a row of {max(used)} tokens does not fit seq_len={S}"
+                         + (" (+1 label)" if label_tail else ""))
     if S % pad_multiple:
         raise ValueError(f"seq_len={S} is not a multiple of pad_multiple={pad_multiple}")
     n = len(rows)
@@ -90,13 +129,17 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
     sid = torch.full((n, S), -1, dtype=torch.long)
     pos = torch.zeros(n, S, dtype=torch.long)
     k = 0
+    placed = []
     for r, row in enumerate(rows):
         o = 0
+        placed.append([])
         for s in row:
             P, L = s.prompt_len, len(s)
-            ids[r, o:o + L] = torch.cat([s.prompt, s.response])
-            sid[r, o:o + L] = k
-            pos[r, o:o + L] = torch.arange(L)
+            n = min(L, S - o)   # L, or L - 1 for a label tail
+            ids[r, o:o + n] = torch.cat([s.prompt, s.response])[:n]
+            sid[r, o:o + n] = k
+            pos[r, o:o + n] = torch.arange(n)
+            placed[-1].append(n)
             # The response tokens from `first` on are the labels of one contiguous run of
             # positions; writing them as slices, not through index tensors, matters: an indexed
             # write of 6K positions took 3000x a slice's time on CPU.
@@ -113,9 +156,19 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
                     _put(logps[key], run, v[first:], keep, float("nan"))
             o, k = o + L, k + 1
     return PackedBatch(ids, labels, adv, logps["old_logprobs"], logps["ref_logprobs"],
-                       logps["rollout_logprobs"], sid, pos,
-                       row_lengths=tuple(tuple(len(s) for s in row) for row in rows),
-                       sample_index=tuple(tuple(s.index for s in row) for row in rows))
+                       logps["rollout_logprobs"], sid, pos, _sample_tokens(labels, sid, k),
+                       row_lengths=tuple(map(tuple, placed)),
+                       sample_index=tuple(tuple(s.index for s in row) for row in rows),
+                       packed=packed)
+
+
+def _sample_tokens(labels: torch.Tensor, sample_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Per token, the trained tokens of its sample (0 on padding)."""
+    valid = sample_ids >= 0
+    per_sample = torch.bincount(sample_ids[(labels != IGNORE) & valid], minlength=n)
+    if per_sample.numel() == 0:
+        return torch.zeros_like(sample_ids)
+    return torch.where(valid, per_sample[sample_ids.clamp(min=0)], 0)
 
 
 def row_sample_lengths(sample_ids: torch.Tensor) -> list[list[int]]:

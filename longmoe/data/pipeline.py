@@ -67,6 +67,7 @@ class StepBatch:
     budget: int
     pad_multiple: int
     fixed_len: bool
+    packed: bool = True         # samples end to end; False: one sample per micro-batch
 
 
 def plan_for_step(source: Source, step: int, global_batch: int, world: int, budget: int,
@@ -80,7 +81,7 @@ def plan_for_step(source: Source, step: int, global_batch: int, world: int, budg
     where = lambda k: source.where(idx[k])  # noqa: E731
     if not packing:
         plan = plan_unpacked(sizes, world, budget, overlong, where, crossover)
-        return StepBatch(step, tuple(idx), plan, budget, pad_multiple, True)
+        return StepBatch(step, tuple(idx), plan, budget, pad_multiple, True, packed=False)
     plan = plan_step(sizes, world, budget, overlong, where=where, crossover=crossover,
                      pad_multiple=pad_multiple, fixed_len=fixed_len)
     return StepBatch(step, tuple(idx), plan, budget, pad_multiple, fixed_len)
@@ -98,7 +99,7 @@ def rank_micro_batches(source: Source, batch: StepBatch, rank: int,
     for mb in batch.plan.micro_batches[rank]:
         yield pack_rows([_samples(source, batch, mb)],
                         seq_len=batch.budget if batch.fixed_len else None,
-                        pad_multiple=batch.pad_multiple, min_len=min_len)
+                        pad_multiple=batch.pad_multiple, min_len=min_len, packed=batch.packed)
 
 
 def global_trained_tokens(source: Source, batch: StepBatch) -> int:

@@ -12,6 +12,12 @@ loss that still falls.
 Every draw comes from a generator keyed by (seed, kind, sample or group), never from a running
 stream: sample i is the same whichever samples were drawn before it, on whichever rank, however
 many ranks there are. The source is endless (no epochs) unless given a pool size.
+
+Full rows (`data.response_len` unset, no token budget): every response has seq_len - prompt_len
++ 1 tokens, so prompt + response fill a row of seq_len positions (the last response token is
+only a label). Those are drawn a GRPO group at a time, from a generator keyed by (seed, step,
+group within the step), where step = i // batch_size: one [group_size, R] block per group,
+advantages normalised over the group.
 """
 
 from __future__ import annotations
@@ -53,10 +59,15 @@ def rule_walk(rule, start, follow, noise):
 
 class RuleSource:
     def __init__(self, vocab_size: int, seed: int, prompt_len: int, response_len: str | int,
-                 group_size: int = 1, num_samples: int | None = None):
+                 group_size: int = 1, num_samples: int | None = None,
+                 full_rows: tuple[int, int] | None = None):
         """`num_samples`: a finite pool of samples 0..n-1, visited in epochs like a file;
-        None: endless (no epochs)."""
+        None: endless (no epochs). `full_rows`: (seq_len, batch_size) for the full-row draw
+        (module docstring); `response_len` is then seq_len - prompt_len + 1."""
         self.num_samples = num_samples
+        self.full_rows = full_rows
+        if full_rows is not None:
+            response_len = f"fixed:{full_rows[0] - prompt_len + 1}"
         if group_size < 1:
             raise ConfigError("data.group_size", f"must be >= 1, got {group_size}")
         if prompt_len < 1:
@@ -68,6 +79,7 @@ class RuleSource:
             raise ConfigError("data.response_len", "responses need at least 1 token")
         self.rule = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
         self._rewards = lru_cache(maxsize=4096)(self._group_rewards)
+        self._block = lru_cache(maxsize=256)(self._group_block)
 
     def _gen(self, *key: int) -> torch.Generator:
         return torch.Generator().manual_seed(mix(self.seed, *key))
@@ -111,7 +123,35 @@ class RuleSource:
         std = math.sqrt(sum(b * (a - mean) ** 2 for a, b in zip(r, w)) / sum(w))
         return tuple((a - mean) / (std + 1e-4) for a in r)
 
+    def _group_block(self, step: int, grp: int):
+        """A full-row group: prompts [G, P], responses [G, R], advantages [G] (float32)."""
+        G, P, V = self.group_size, self.prompt_len, self.vocab
+        R = self.response_dist.hi
+        g = torch.Generator().manual_seed(self.seed * 7919 + step * 104729 + grp * 15485863)
+        prompts = torch.randint(0, V, (1, P), generator=g).expand(G, P)
+        q = torch.rand(G, generator=g)
+        follow = torch.rand(G, R, generator=g) < q[:, None]
+        noise = torch.randint(0, V, (G, R), generator=g)
+        resp = rule_walk(self.rule, prompts[:, -1], follow, noise)
+        # Equal lengths make a group's token-weighted advantages sum to zero, so the surrogate
+        # starts at exactly 0 (ratio 1) and every later fall is learning, not length noise.
+        rg = follow.float().mean(1).view(-1, G)
+        adv = (rg - rg.mean(1, keepdim=True)) / (rg.std(1, unbiased=False, keepdim=True) + 1e-4)
+        return prompts, resp, adv.view(-1)
+
+    def _full_row(self, i: int) -> Sample:
+        seq_len, batch = self.full_rows
+        step, k = divmod(i, batch)
+        prompts, resp, adv = self._block(step, k // self.group_size)
+        m = k % self.group_size
+        uniform = torch.full((resp.shape[1],), -math.log(self.vocab))
+        return Sample(prompt=prompts[m].clone(), response=resp[m].clone(),
+                      advantage=float(adv[m]), old_logprobs=uniform, ref_logprobs=uniform,
+                      rollout_logprobs=uniform, index=i, where=self.where(i))
+
     def get(self, i: int) -> Sample:
+        if self.full_rows is not None:
+            return self._full_row(i)
         G = self.group_size
         grp = i // G
         P, R = self.sizes(i)

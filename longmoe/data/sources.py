@@ -111,12 +111,17 @@ class JsonlSource(_Indexed):
                 if not line.strip():
                     continue
                 where = f"{path}:{ln}"
-                try:
-                    row = json.loads(line)
+                constants: list[str] = []
+                try:   # Python's json reads NaN and Infinity; JSON has neither
+                    row = json.loads(line, parse_constant=lambda c: constants.append(c) or
+                                     float(c))
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise UserError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
                 p, r = _sizes(row, where)
                 check(row, where)
+                if constants:   # outside the fields `check` reads, which name their own
+                    raise UserError(f"{where}: {constants[0]} is not valid JSON (no NaN or "
+                                    f"Infinity)")
                 offsets.append(start), lines.append(ln), plen.append(p), rlen.append(r)
         if not offsets:
             raise UserError(f"{path}: no rows")

@@ -123,14 +123,18 @@ def _grads_by_name(model) -> dict[str, torch.Tensor]:
 
 
 def _step(run, layout, device, seed):
-    from longmoe.train.data import SyntheticSource
+    from longmoe.data.rows import full_rows
+    from longmoe.data.rule import RuleSource
     from longmoe.train.setup import build_model
-    from longmoe.train.step import forward_backward, global_token_count, local_batch
+    from longmoe.train.step import forward_backward, global_token_count, local_micro_batch
     model = build_model(run, layout, device)
-    source = SyntheticSource(run.data, run.model.vocab_size, seed)
+    d = run.data
+    source = RuleSource(run.model.vocab_size, seed, d.prompt_len, None, d.group_size,
+                        full_rows=(d.seq_len, d.batch_size))
     # data.batch_size is global: world 1 (the reference) sees the whole batch at once
-    batch = source.batch(0, layout.data_rank, layout.data_world)
-    batch, positions = local_batch(batch.to(device), layout)
+    n = d.per_rank(layout.data_world)
+    batch = full_rows(source, range(layout.data_rank * n, (layout.data_rank + 1) * n), d.seq_len)
+    batch, positions, _ = local_micro_batch(batch, layout, device)
     loss, aux, _ = forward_backward(model, batch, run, layout, global_token_count(batch, layout),
                                     positions)
     # The GRPO surrogate sums advantage-weighted ratios whose advantages cancel within each

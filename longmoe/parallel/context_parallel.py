@@ -115,9 +115,21 @@ class ContextParallel:
         return torch.cat(outs, dim=1)
 
 
+def cp_share(batch, cp: int, cp_rank: int):
+    """(this CP rank's share of a batch of whole rows, the global positions of its tokens), or
+    (batch, None) without CP. `batch` is a longmoe.data.packing.PackedBatch: every per-token
+    tensor (ids, labels, advantages, log-probs, sample ids, in-sample positions, whole-sample
+    token counts) is sliced with the same zigzag index, so they stay aligned; the whole-sample
+    counts were taken before the split, so a sample is still counted whole."""
+    if cp == 1:
+        return batch, None
+    pos = zigzag_positions(batch.input_ids.shape[1], cp, cp_rank, batch.input_ids.device)
+    return batch.map_tokens(lambda t: split_sequence(t, pos)), pos
+
+
 def local_packing(packing, cp: int, cp_rank: int):
     """This CP rank's share of packed rows (longmoe.model.packing.PackedRows), in the zigzag
-    order local_batch gives its tokens."""
+    order cp_share gives its tokens."""
     if cp == 1:
         return packing
     return packing.select(zigzag_positions(packing.shape[1], cp, cp_rank,

@@ -153,9 +153,9 @@ class DataConfig:
     # batch_size / data ranks of them (so a run resumed on another number of ranks trains the
     # same batch); with one, the step plan deals them to ranks by cost (docs/packing.md).
     batch_size: int = 4
-    # Tokens per padded row (one sample per row, no token budget). A legacy-layout sample
-    # (synthetic without response_len, JSONL) trains prompt + response <= seq_len + 1 tokens: the
-    # last response token is only ever a label, never an input.
+    # Tokens per padded row (one sample per row, no token budget). In full rows (synthetic
+    # without response_len, JSONL; longmoe.data.rows) a sample trains prompt + response <=
+    # seq_len + 1 tokens: the last response token is only ever a label, never an input.
     seq_len: int = 128
     prompt_len: int = 32            # synthetic prompts
     group_size: int = 4             # synthetic GRPO group: responses per prompt
@@ -211,7 +211,7 @@ class DataConfig:
             if self.response_len is None and self.budget is None:
                 raise ConfigError("data.num_samples", "needs data.response_len or "
                                                       "data.max_tokens_per_micro_batch (the "
-                                                      "legacy synthetic batches are endless)")
+                                                      "full-row synthetic batches are endless)")
         for f in ("packing", "shuffle"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"data.{f}", f"expected true or false, got {getattr(self, f)!r}")

@@ -1,21 +1,21 @@
 """What one step trains on this rank: its micro-batches, built on the host from the run's data
-settings, and what the step log reports about them.
+settings, and what the step log reports about them. Every way yields the one batch type,
+longmoe.data.packing.PackedBatch; the ways differ only in packing policy (docs/packing.md):
 
-Three ways, chosen by the data settings (docs/packing.md):
-
-  legacy   no token budget; data.source=jsonl, or synthetic without data.response_len: the
-           padded batches of longmoe.train.data, exactly as before (one sample per row of
-           seq_len, all of a rank's rows in one forward).
-  padded   no token budget; synthetic with data.response_len, or parquet: the same layout over a
-           longmoe.data source (one sample per row of seq_len, one forward); a sample longer
-           than seq_len meets data.overlong.
+  rows     no token budget; data.source=jsonl, or synthetic without data.response_len: one
+           sample per row of seq_len, up to seq_len + 1 tokens (the last only a label;
+           longmoe.data.rows), all of a rank's rows in one forward. A file's rows meet
+           data.overlong when it is opened.
+  padded   no token budget; synthetic with data.response_len, or parquet: one sample per row of
+           seq_len, up to seq_len tokens, one forward; a longer sample meets data.overlong per
+           step (a dropped one leaves a row of padding).
   planned  data.max_tokens_per_micro_batch set: the step's global batch is planned (every rank
            computes the same plan from the samples' lengths, longmoe.data.balance) into M
            micro-batches per rank, each one row of at most the budget: samples end to end
            (data.packing) or one sample padded to the budget. Every rank runs the same M.
 
 A micro-batch here holds whole rows; the step splits them for context parallelism on the
-device (longmoe.train.step).
+device (longmoe.train.step, longmoe.parallel.context_parallel).
 """
 
 from __future__ import annotations
@@ -26,55 +26,38 @@ from dataclasses import dataclass, field
 from longmoe.data.balance import sample_cost
 from longmoe.data.overlong import OverlongCounts, fit_lengths
 from longmoe.data.order import step_indices
-from longmoe.data.packing import IGNORE, pack_rows
+from longmoe.data.packing import IGNORE, PackedBatch, pack_rows
 from longmoe.data.pipeline import check_source, plan_for_step, rank_micro_batches
+from longmoe.data.rows import FittedFile, full_rows
 from longmoe.data.rule import RuleSource
 from longmoe.data.sources import JsonlSource, ParquetSource
 from longmoe.data.validate import check_sample
 from longmoe.errors import ConfigError
 from longmoe.model.flops import balance_crossover
 from longmoe.train.config import RunConfig
-from longmoe.train.data import make_source
-
-
-@dataclass
-class Micro:
-    batch: object               # longmoe.train.data.Batch or longmoe.data.packing.PackedBatch
-    packed: bool                # rows of several samples: the model gets their PackedRows
-
-    @property
-    def row_len(self) -> int:
-        return int(self.batch.input_ids.shape[1])
 
 
 @dataclass
 class StepData:
     """This data rank's share of one step. Counts are of this data rank (its CP ranks hold the
     same); `plan` and `overlong` are of the whole step (every rank computes the same)."""
-    micro: list[Micro]
+    micro: list[PackedBatch]
     lengths: list[int]          # tokens of each of this data rank's samples, as trained
     row_tokens: int             # tokens of its rows, padding included
     masked: int = 0             # its samples with no trained token
-    truncated: int = 0          # legacy: its samples data.overlong cut
+    truncated: int = 0          # rows: its samples data.overlong cut
     plan: object = None         # longmoe.data.balance.PlanStats
     overlong: OverlongCounts = field(default_factory=OverlongCounts)
     cost: float = 0.0           # the balance cost of its samples (longmoe.data.balance)
 
     @property
     def trained_tokens(self) -> int:
-        return sum(int((m.batch.labels != IGNORE).sum()) for m in self.micro)
+        return sum(int((m.labels != IGNORE).sum()) for m in self.micro)
 
     @property
     def trained_samples(self) -> int:
         """Its samples with at least one trained token (the seq-mean aggregation's count)."""
-        n = 0
-        for m in self.micro:
-            trained = m.batch.labels != IGNORE
-            if hasattr(m.batch, "sample_ids"):
-                n += m.batch.sample_ids[trained].unique().numel()
-            else:   # one sample per row
-                n += int(trained.any(1).sum())
-        return n
+        return sum(m.trained_samples for m in self.micro)
 
 
 def mode(run: RunConfig) -> str:
@@ -83,7 +66,7 @@ def mode(run: RunConfig) -> str:
         return "planned"
     if d.source == "parquet" or (d.source == "synthetic" and d.response_len is not None):
         return "padded"
-    return "legacy"
+    return "rows"
 
 
 def pad_multiple(run: RunConfig) -> int:
@@ -102,13 +85,18 @@ def min_row(run: RunConfig) -> int:
 
 
 def open_data_source(run: RunConfig):
-    """The longmoe.data source of the padded and planned ways (opening a file source reads and
-    checks every row once, naming the first bad one)."""
+    """The run's longmoe.data source (opening a file reads and checks every row once, naming the
+    first bad one): for the rows way a FittedFile (JSONL) or the full-row synthetic draw."""
     d, V = run.data, run.model.vocab_size
+    need = run.loss.required_logprobs()
+    if mode(run) == "rows":
+        if d.source == "jsonl":
+            return FittedFile(d.path, V, d.seq_len, d.overlong, need)
+        return RuleSource(V, run.train.seed, d.prompt_len, None, d.group_size,
+                          full_rows=(d.seq_len, d.batch_size))
     if d.source == "synthetic":
         resp = d.response_len if d.response_len is not None else d.seq_len - d.prompt_len
         return RuleSource(V, run.train.seed, d.prompt_len, resp, d.group_size, d.num_samples)
-    need = run.loss.required_logprobs()
     check = lambda row, where: check_sample(row, where, V, need)  # noqa: E731
     return (JsonlSource if d.source == "jsonl" else ParquetSource)(d.path, check)
 
@@ -118,9 +106,9 @@ def check_data(run: RunConfig, source=None):
     sample or setting), before any process group starts. Returns the opened source."""
     d = run.data
     m = mode(run)
-    if m == "legacy":
-        return None
     source = source or open_data_source(run)
+    if m == "rows":
+        return source
     if m == "padded":
         check_source(source, d.seq_len, d.overlong, 1, setting="data.seq_len")
         return source
@@ -155,25 +143,17 @@ class Feed:
     def __init__(self, run: RunConfig, data_rank: int, data_world: int):
         self.run, self.rank, self.world = run, data_rank, data_world
         self.mode = mode(run)
-        d = run.data
-        if self.mode == "legacy":
-            self.legacy = make_source(d, run.model.vocab_size, run.train.seed,
-                                      require=run.loss.required_logprobs())
-            self.source = None
-        else:
-            self.source = open_data_source(run)
+        self.source = open_data_source(run)
         self.crossover = balance_crossover(run.model)
         if not math.isfinite(self.crossover):
             self.crossover = 1e300  # no full attention: cost is tokens alone
 
     def counts(self) -> dict:
-        legacy = getattr(self, "legacy", None)
-        return legacy.data.counts() if hasattr(legacy, "data") else {}
+        return self.source.counts() if isinstance(self.source, FittedFile) else {}
 
     def describe(self) -> str | None:
-        legacy = getattr(self, "legacy", None)
-        if hasattr(legacy, "data"):
-            return legacy.data.describe()
+        if isinstance(self.source, FittedFile):
+            return self.source.describe()
         d = self.run.data
         if self.mode == "planned":
             return (f"data: {d.source}, {d.batch_size} samples a step in micro-batches of at most "
@@ -182,21 +162,22 @@ class Feed:
         return None
 
     def step(self, step: int) -> StepData:
-        out = {"legacy": self._legacy, "padded": self._padded, "planned": self._planned}[
+        out = {"rows": self._rows, "padded": self._padded, "planned": self._planned}[
             self.mode](step)
         out.cost = sum(sample_cost(n, self.crossover) for n in out.lengths)
         return out
 
-    def _legacy(self, step: int) -> StepData:
-        b = self.legacy.batch(step, self.rank, self.world)
-        # Useful tokens of a padded row: through the input that predicts its last label (the
-        # label's own token is an input too unless it is past the row).
-        S = b.labels.shape[1]
-        lengths = []
-        for row in b.labels != IGNORE:
-            at = row.nonzero()
-            lengths.append(min(int(at[-1]) + 2, S) if at.numel() else 0)
-        return StepData([Micro(b, False)], lengths, b.input_ids.numel(), b.masked, b.truncated)
+    def _rows(self, step: int) -> StepData:
+        d, src = self.run.data, self.source
+        n = d.per_rank(self.world)
+        if isinstance(src, FittedFile):
+            pb, cut = src.step_rows(step, d.batch_size, self.rank, n, self.run.train.seed,
+                                    d.shuffle)
+        else:
+            idx = step_indices(step, d.batch_size, None, self.run.train.seed)
+            pb, cut = full_rows(src, idx[self.rank * n:(self.rank + 1) * n], d.seq_len), 0
+        return StepData([pb], [k for r in pb.row_lengths for k in r], pb.input_ids.numel(),
+                        pb.masked, cut)
 
     def _padded(self, step: int) -> StepData:
         d, src = self.run.data, self.source
@@ -209,32 +190,18 @@ class Feed:
         idx, lengths = idx[mine], lengths[mine]
         got = iter(src.get_many([i for i, k in zip(idx, lengths) if k > 0]))
         rows = [[next(got).truncated(k)] if k > 0 else [] for k in lengths]  # dropped: padding
-        pb = pack_rows(rows, seq_len=d.seq_len)
-        return StepData([Micro(pb, False)], [k for k in lengths if k > 0], pb.input_ids.numel(),
-                        _masked(pb), overlong=counts)
+        pb = pack_rows(rows, seq_len=d.seq_len, packed=False)
+        return StepData([pb], [k for k in lengths if k > 0], pb.input_ids.numel(), pb.masked,
+                        overlong=counts)
 
     def _planned(self, step: int) -> StepData:
         d, run = self.run.data, self.run
         batch = plan_for_step(self.source, step, d.batch_size, self.world, d.budget,
                               run.train.seed, d.shuffle, d.overlong, self.crossover,
                               pad_multiple(run), packing=d.packing)
-        micro = [Micro(pb, d.packing) for pb in
-                 rank_micro_batches(self.source, batch, self.rank, min_len=min_row(run))]
+        micro = list(rank_micro_batches(self.source, batch, self.rank, min_len=min_row(run)))
         lengths = [batch.plan.lengths[k] for mb in batch.plan.micro_batches[self.rank]
                    for k in mb]
-        return StepData(micro, lengths, sum(m.batch.input_ids.numel() for m in micro),
-                        sum(_masked(m.batch) for m in micro), plan=batch.plan.stats,
+        return StepData(micro, lengths, sum(m.input_ids.numel() for m in micro),
+                        sum(m.masked for m in micro), plan=batch.plan.stats,
                         overlong=batch.plan.overlong)
-
-
-def _masked(pb) -> int:
-    """Samples of a packed batch with no trained token."""
-    trained = pb.sample_ids[pb.labels != IGNORE].unique().numel()
-    return sum(len(r) for r in pb.row_lengths) - trained
-
-
-def row_packing(batch, device):
-    """The PackedRows of a packed micro-batch's whole rows, on `device`."""
-    from longmoe.model.packing import PackedRows
-    return PackedRows(batch.sample_ids.to(device), batch.positions.to(device))
-

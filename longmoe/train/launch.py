@@ -19,7 +19,6 @@ from longmoe.checkpoint.manifest import run_identity
 from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
 from longmoe.train.config import RunConfig
-from longmoe.train.data import read_jsonl
 from longmoe.train.impl_check import check_named_impls, check_on_rank
 from longmoe.train.feed import check_data, mode
 from longmoe.train.setup import run_local_tokens, torch_dtype
@@ -66,12 +65,8 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
     if not planned and run.data.seq_len > run.model.max_seq_len:
         raise UserError(f"data.seq_len: {run.data.seq_len} exceeds model.max_seq_len="
                         f"{run.model.max_seq_len}")
-    if mode(run) == "legacy":
-        if run.data.source == "jsonl":
-            read_jsonl(run.data.path, run.model.vocab_size, run.data.seq_len, run.data.overlong,
-                       require=run.loss.required_logprobs())
-    else:
-        source = check_data(run)
+    source = check_data(run)   # a file: every row read and checked once
+    if mode(run) != "rows":     # rows: seq_len, checked above, is the longest
         longest = source.longest()[1]
         if planned:
             longest = min(longest, run.data.budget)

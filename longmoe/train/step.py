@@ -1,30 +1,32 @@
 """One policy-update step's forward and backward, shared by the trainer and the paired harness:
 one micro-batch (forward_backward), and a step of several accumulated into one gradient
-(accumulate)."""
+(accumulate). A micro-batch is a longmoe.data.packing.PackedBatch of whole rows, moved to the
+device and sliced for context parallelism (longmoe.parallel.context_parallel.cp_share) as it is."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from longmoe.parallel.context_parallel import local_packing, split_sequence, zigzag_positions
+from longmoe.data.packing import PackedBatch
+from longmoe.model.packing import PackedRows
+from longmoe.parallel.context_parallel import cp_share, local_packing
 from longmoe.parallel.mesh import Layout
 from longmoe.rl.objective import (FusedLoss, Objective, TokenInputs, counts_to_int,
-                                  local_counts, sample_token_counts)
+                                  local_counts)
 from longmoe.train.config import RunConfig
-from longmoe.train.data import Batch
 from longmoe.train.loss import policy_loss
 from longmoe.train.setup import finish_grads, loss_scale, set_cp_row_length
 
 
-def global_token_count(batch: Batch, layout: Layout) -> int:
+def global_token_count(batch: PackedBatch, layout: Layout) -> int:
     n = (batch.labels != -100).sum().to(torch.float64)
     if layout.world > 1:
         dist.all_reduce(n, group=layout.batch_group)
     return int(n)
 
 
-def global_counts(batch: Batch, layout: Layout) -> tuple[int, int]:
+def global_counts(batch: PackedBatch, layout: Layout) -> tuple[int, int]:
     """(trained tokens, samples with a trained token) of the global batch: one all-reduce.
     `batch` may hold a context-parallel share of its samples (sample_tokens counts whole ones)."""
     n = local_counts(batch.labels != -100, batch.sample_tokens)
@@ -43,44 +45,20 @@ def step_counts(tokens: int, samples: int, layout: Layout, device) -> tuple[int,
     return counts_to_int(n / layout.cp)
 
 
-def local_batch(batch: Batch, layout: Layout):
-    """(this rank's tokens, their global positions or None): with CP, the zigzag slice of every
-    sequence of the batch that the rank's CP group shares."""
-    if layout.cp == 1:
-        return batch, None
-    pos = zigzag_positions(batch.input_ids.shape[1], layout.cp, layout.cp_rank,
-                           batch.input_ids.device)
-    # masked/truncated count whole samples, as on every CP rank; sample_tokens too.
-    return batch.with_tokens(lambda t: split_sequence(t, pos)), pos
+def local_micro_batch(batch: PackedBatch, layout: Layout, device):
+    """(this rank's share of the micro-batch on `device`, its global positions or None, the
+    model's PackedRows of it or None). Packed rows (`batch.packed`) give the model their
+    sample boundaries and in-sample positions; rows of one sample each run plainly causal, at
+    their zigzag positions under CP."""
+    batch = batch.to(device)
+    local, positions = cp_share(batch, layout.cp, layout.cp_rank)
+    if not batch.packed:
+        return local, positions, None
+    rows = PackedRows(batch.sample_ids, batch.positions)
+    return local, None, local_packing(rows, layout.cp, layout.cp_rank)
 
 
-def packed_to_batch(pb) -> Batch:
-    """A longmoe.data.packing.PackedBatch as the trainer's Batch of whole rows: sample_tokens
-    from its sample ids, before any split of a row."""
-    mask = pb.labels != -100
-    return Batch(pb.input_ids, pb.labels, pb.advantages, pb.old_logprobs,
-                 ref_logprobs=pb.ref_logprobs, rollout_logprobs=pb.rollout_logprobs,
-                 sample_tokens=sample_token_counts(mask, pb.sample_ids))
-
-
-def local_micro_batch(batch, packed: bool, layout: Layout, device):
-    """(this rank's tokens, positions, PackedRows or None) of one micro-batch of whole rows on
-    the host: a longmoe.train.data.Batch, or a longmoe.data.packing.PackedBatch whose rows hold
-    several samples (`packed`) or one each."""
-    if isinstance(batch, Batch):
-        return (*local_batch(batch.to(device), layout), None)
-    whole = packed_to_batch(batch.to(device))
-    packing = None
-    if packed:
-        from longmoe.model.packing import PackedRows
-        packing = local_packing(PackedRows(batch.sample_ids.to(device),
-                                           batch.positions.to(device)),
-                                layout.cp, layout.cp_rank)
-    local, pos = local_batch(whole, layout)
-    return local, (None if packed else pos), packing
-
-
-def token_inputs(batch: Batch, objective: Objective, global_tokens: int,
+def token_inputs(batch: PackedBatch, objective: Objective, global_tokens: int,
                  global_samples: int | None = None) -> TokenInputs:
     """The objective's per-token inputs for `batch`: its aggregation weights from the global
     counts, and only the log-probs the objective reads."""
@@ -92,13 +70,13 @@ def token_inputs(batch: Batch, objective: Objective, global_tokens: int,
                        batch.rollout_logprobs if "rollout_logprobs" in used else None)
 
 
-def forward_backward(model, batch: Batch, run: RunConfig, layout: Layout, global_tokens: int,
+def forward_backward(model, batch: PackedBatch, run: RunConfig, layout: Layout, global_tokens: int,
                      positions=None, global_samples: int | None = None, packing=None,
                      finish: bool = True, aux_scale: float = 1.0):
     """Loss of this rank's share (sum_t w_t loss_t, its weights normalised by the global
     counts) plus the MoE aux loss (times `aux_scale`); after it returns with `finish`, every
     gradient holds the global-batch gradient (sharded or replicated). `batch` holds this rank's
-    tokens (see local_batch) at `positions` (None: 0..S-1), or packed rows described by
+    tokens (see local_micro_batch) at `positions` (None: 0..S-1), or packed rows described by
     `packing` (PackedRows, this rank's share). `global_samples` (the samples of the whole step,
     for the seq-mean aggregation modes) is counted here when None: pass it when the step's batch
     is split into several calls (micro-batches), like global_tokens. Without `finish` gradients
@@ -125,7 +103,7 @@ def forward_backward(model, batch: Batch, run: RunConfig, layout: Layout, global
 
 def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int, device,
                global_samples: int | None = None, finish: bool = True):
-    """One step over this rank's micro-batches (longmoe.train.feed.Micro; every rank runs the
+    """One step over this rank's micro-batches (PackedBatch each; every rank runs the
     same number, collectives inside): each one's loss weights come from the step's global counts
     (N tokens, and samples for the seq-mean modes), so the accumulated gradient is the
     one-big-batch gradient. The MoE aux loss is the mean over micro-batches of each one's (its
@@ -148,7 +126,7 @@ def accumulate(model, micro, run: RunConfig, layout: Layout, global_tokens: int,
             last = j == M - 1
             if sync:
                 model.set_requires_gradient_sync(last)
-            batch, positions, packing = local_micro_batch(mb.batch, mb.packed, layout, device)
+            batch, positions, packing = local_micro_batch(mb, layout, device)
             if layout.cp > 1:
                 set_cp_row_length(model, layout, mb.row_len)
             loss, aux, st = forward_backward(model, batch, run, layout, global_tokens, positions,

@@ -213,7 +213,7 @@ class LongMoEEngine(BaseEngine):
         entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
         pb = pack_rows([to_samples(values, offsets)], pad_multiple=pad_multiple(pt.run),
                        min_len=min_row(pt.run))
-        batch, positions, packing = local_micro_batch(pb, True, pt.layout, pt.device)
+        batch, positions, packing = local_micro_batch(pb, pt.layout, pt.device)
         row = int(pb.input_ids.shape[1])
         if pt.layout.cp > 1:
             set_cp_row_length(pt.model, pt.layout, row)

@@ -86,7 +86,7 @@ def fused_micro_step(pt, mb, run, global_tokens: int, dp_size: int, micro_batche
     samples = micro_samples(mb)
     pb = pack_rows([samples], pad_multiple=pad_multiple(run), min_len=min_row(run))
     layout = pt.layout
-    batch, positions, packing = local_micro_batch(pb, True, layout, pt.device)
+    batch, positions, packing = local_micro_batch(pb, layout, pt.device)
     if layout.cp > 1:
         set_cp_row_length(pt.model, layout, int(pb.input_ids.shape[1]))
     loss, aux, st = forward_backward(pt.model, batch, run, layout, global_tokens, positions,
