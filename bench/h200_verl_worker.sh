@@ -3,7 +3,7 @@
 # the Qwen3.5-35B-A3B preset at 40 layers (30 Gated DeltaNet + 10 gated attention) with 32 experts
 # (one EP = 8 rank's share), one GPU, full recompute, FSDP2, linear CE, bf16:
 #   bench/h200_verl_worker.sh            -> OUT/verl_worker.json (+ .md)
-# Cases and arms: bench/verl_worker.py. SAMPLES (default 16): the GRPO batch's samples; STEPS
+# Cases and arms (one process, interleaved): bench/verl_worker.py. SAMPLES (default 16): the GRPO batch's samples; STEPS
 # (default 2): timed passes after the untimed first. Needs verl and what it imports (the verl
 # extra) on top of the GPU image.
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 TYPES=[$(for i in $(seq 1 40); do [ $((i % 4)) -eq 0 ] && printf full_attention || printf linear_attention; [ "$i" -lt 40 ] && printf ,; done)]
-python3 bench/verl_worker.py --config gpu_smoke --samples "${SAMPLES:-16}" --steps "${STEPS:-2}" \
+python3 bench/verl_worker.py --config gpu_smoke --samples "${SAMPLES:-16}" --steps "${STEPS:-3}" \
     --cases "${CASES:-packed32k,grpo}" \
     --set model.num_layers=40 --set "model.layer_types=$TYPES" --set model.num_experts=32 \
     --set data.seq_len=32768 --set data.prompt_len=1024 --set data.row_multiple=1024 \

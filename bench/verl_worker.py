@@ -1,18 +1,21 @@
 """verl's worker path against PolicyTrainer called directly, on the same batch, one GPU.
 
-Two arms, each in its own process (fresh allocator, same compile cache), on the same samples:
+One process, one model: verl's TrainingWorker over LongMoEEngine, and the PolicyTrainer that the
+engine holds called directly. Two arms on the same samples, interleaved (their order alternates
+from step to step), so both run the same compiled kernels and autotuned configs:
 
   direct  PolicyTrainer.compute_logprobs (the log-prob pass), then forward_backward + optim_step
           (the update) with those log-probs as old_logprobs
-  verl    verl's TrainingWorker over LongMoEEngine, as the actor worker drives it:
-          infer_batch (compute_log_prob) on the no-padding batch, then train_mini_batch
-          (update_actor: one mini-batch, one epoch, verl's ppo_loss) with those log-probs
+  verl    as the actor worker drives it: the rollout's padded batch through verl's
+          left_right_2_no_padding, infer_batch (compute_log_prob) and its padded log-probs back,
+          then train_mini_batch (update_actor: one mini-batch, one epoch, verl's ppo_loss) with
+          those log-probs
 
 Cases: `packed32k`, samples of the log-normal length distribution that fill one 32K token
 budget (one micro-batch); `grpo`, --samples samples of prompt 1024 + response
-lognormal:6144:31744 in 32K-token micro-batches. Each case: one untimed pass of each kind (compile
-and warm-up), then --steps timed passes; the median of each is reported, as useful tokens/s
-(the samples' own tokens), with the peak memory over the timed passes.
+lognormal:6144:31744 in 32K-token micro-batches. Each case: one untimed pass of each kind and arm
+(compile and warm-up), then --steps timed rounds; per arm the median pass as useful tokens/s (the
+samples' own tokens per second) and the peak memory over its timed passes.
 
 verl's worker runs in this process, as in verl's own engine tests; under `main_ppo` it is a ray
 actor, whose remote-call cost this bench does not include.
@@ -27,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,31 +110,15 @@ def verl_batch(ss, old=None):
     return left_right_2_no_padding(TensorDict(td, batch_size=[len(ss)]))
 
 
-def arm_direct(args, ss, device):
-    from longmoe.api import PolicyTrainer
-    over = list(args.set) + LOSS + [f"optim.lr={LR}", "optim.weight_decay=0.0",
-                                    f"optim.grad_clip={CLIP}"]
-    pt = PolicyTrainer.from_config(args.config, over)
-    from longmoe.data.sample import Sample
+def build_worker(args):
+    """verl's TrainingWorker over the longmoe engine, as ActorRolloutRefWorker.init_model builds
+    its actor, with verl's ppo_loss as the loss."""
+    from functools import partial
 
-    def logprobs():
-        return pt.compute_logprobs(ss)
-
-    def update(old):
-        with_old = [Sample(s.prompt, s.response, s.advantage, old_logprobs=o, index=s.index)
-                    for s, o in zip(ss, old)]
-        out = pt.forward_backward(with_old)
-        step = pt.optim_step()
-        return {"loss": float(out["loss"]), "grad_norm": float(step["grad_norm"])}
-    return pt.run, logprobs, update, {}
-
-
-def arm_verl(args, ss, device):
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import HFModelConfig, OptimizerConfig, TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
-    from functools import partial
+
     from longmoe.integrations.verl import LongMoEActorConfig, LongMoEEngineConfig
     from longmoe.model.hf import hf_config
     from longmoe.train.config import load_run_config
@@ -142,7 +128,7 @@ def arm_verl(args, ss, device):
     hf_dir = Path(tempfile.mkdtemp(prefix="longmoe-verl-bench-"))
     (hf_dir / "config.json").write_text(json.dumps(hf_config(run.model)))
     actor = LongMoEActorConfig(
-        strategy="longmoe", rollout_n=1, ppo_mini_batch_size=len(ss), use_dynamic_bsz=True,
+        strategy="longmoe", rollout_n=1, ppo_mini_batch_size=1, use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=BUDGET, ppo_epochs=1, clip_ratio=0.2,
         loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
         optim=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=CLIP),
@@ -158,10 +144,28 @@ def arm_verl(args, ss, device):
     w = TrainingWorker(cfg)
     w.reset()
     w.set_loss_fn(partial(ppo_loss, config=actor))
-    info = {}
+    return w
 
-    def logprobs():
-        from verl.workers.utils.padding import no_padding_2_padding
+
+def arms(w, ss) -> dict:
+    """arm -> (log-prob pass, update given old log-probs); both return what they computed."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from longmoe.data.sample import Sample
+    pt = w.engine.trainer
+
+    def direct_logprobs():
+        return pt.compute_logprobs(ss)
+
+    def direct_update(old):
+        with_old = [Sample(s.prompt, s.response, s.advantage, old_logprobs=o, index=s.index)
+                    for s, o in zip(ss, old)]
+        out = pt.forward_backward(with_old)
+        step = pt.optim_step()
+        return {"loss": float(out["loss"]), "grad_norm": float(step["grad_norm"])}
+
+    def verl_logprobs():
         td = verl_batch(ss)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False,
                              max_token_len_per_gpu=BUDGET)
@@ -169,58 +173,43 @@ def arm_verl(args, ss, device):
         lp = no_padding_2_padding(tu.get(out, "log_probs"), td)  # [n, R], verl's layout
         return [row[:s.response.numel()] for row, s in zip(lp, ss)]
 
-    def update(old):
+    def verl_update(old):
         td = verl_batch(ss, old)
         tu.assign_non_tensor(td, global_batch_size=len(ss), mini_batch_size=len(ss), epochs=1,
                              seed=0, dataloader_kwargs={"shuffle": False},
                              calculate_entropy=False, temperature=1.0)
         m = tu.get(w.train_mini_batch(td), "metrics")
-        info["fused_ppo_loss"] = bool(w.engine.fused_last)
         return {"loss": float(m["loss"][0]), "grad_norm": float(m["grad_norm"][0]),
-                "ppo_kl": float(m["actor/ppo_kl"][0])}
-    return run, logprobs, update, info
+                "ppo_kl": float(m["actor/ppo_kl"][0]), "fused_ppo_loss": w.engine.fused_last}
+    return {"direct": (direct_logprobs, direct_update), "verl": (verl_logprobs, verl_update)}
 
 
-def one_arm(args) -> dict:
-    import torch.distributed as dist
-    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}.items():
-        os.environ.setdefault(k, v)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    else:  # a host check of the harness (tiny model, --smoke)
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from longmoe.train.config import load_run_config
-    run = load_run_config(args.config, list(args.set))
-    ss = samples(args.case, args.samples, args.seed, run.model.vocab_size)
-    build = arm_direct if args.arm == "direct" else arm_verl
-    t0 = time.perf_counter()
-    run, logprobs, update, info = build(args, ss, device)
-    out = {"arm": args.arm, "case": args.case, "samples": len(ss),
-           "tokens": sum(len(s) for s in ss), "build_s": time.perf_counter() - t0}
-    first_lp, old = timed(logprobs, device)
-    first_up, _ = timed(lambda: update(old), device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    lp_s, up_s, ups = [], [], []
-    for _ in range(args.steps):
-        s, old = timed(logprobs, device)
-        lp_s.append(s)
-        s, u = timed(lambda: update(old), device)
-        up_s.append(s)
-        ups.append(u)
-    tok = out["tokens"]
-    out.update(first_logprob_s=first_lp, first_update_s=first_up, logprob_s=lp_s,
-               update_s=up_s, updates=ups,
-               logprob_tok_s=tok / statistics.median(lp_s),
-               update_tok_s=tok / statistics.median(up_s),
-               peak_gib=(torch.cuda.max_memory_allocated(device) / 2**30
-                         if device.type == "cuda" else 0.0), **info)
-    dist.destroy_process_group()
-    return out
+def run_case(w, case: str, args, device) -> list[dict]:
+    ss = samples(case, args.samples, args.seed, w.engine.trainer.run.model.vocab_size)
+    tok = sum(len(s) for s in ss)
+    fns = arms(w, ss)
+    res = {a: {"arm": a, "case": case, "samples": len(ss), "tokens": tok, "logprob_s": [],
+               "update_s": [], "updates": [], "peak_gib": 0.0} for a in fns}
+    for a, (logprobs, update) in fns.items():  # compile and warm-up
+        res[a]["first_logprob_s"], old = timed(logprobs, device)
+        res[a]["first_update_s"], _ = timed(lambda: update(old), device)
+    for step in range(args.steps):
+        for a in (("direct", "verl") if step % 2 == 0 else ("verl", "direct")):
+            logprobs, update = fns[a]
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            s, old = timed(logprobs, device)
+            res[a]["logprob_s"].append(s)
+            s, u = timed(lambda: update(old), device)
+            res[a]["update_s"].append(s)
+            res[a]["updates"].append(u)
+            if device.type == "cuda":
+                res[a]["peak_gib"] = max(res[a]["peak_gib"],
+                                         torch.cuda.max_memory_allocated(device) / 2**30)
+    for r in res.values():
+        r["logprob_tok_s"] = tok / statistics.median(r["logprob_s"])
+        r["update_tok_s"] = tok / statistics.median(r["update_s"])
+    return list(res.values())
 
 
 def main() -> None:
@@ -229,35 +218,37 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="longmoe override, repeatable")
     p.add_argument("--cases", default="packed32k,grpo")
     p.add_argument("--samples", type=int, default=16, help="grpo: samples in the batch")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed rounds per case")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    p.add_argument("--arm", choices=("direct", "verl"), help=argparse.SUPPRESS)
-    p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.arm:  # one arm, this process
-        Path(args.out).write_text(json.dumps(one_arm(args)))
-        return
     sys.path.insert(0, str(ROOT))
+    import torch.distributed as dist
+
     from longmoe.bench import write_json_and_table
+    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
+        os.environ.setdefault(k, v)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:  # a host check of the harness only (tiny model, verl's host platform set by the caller)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    t0 = time.perf_counter()
+    w = build_worker(args)
+    build_s = time.perf_counter() - t0
     runs = []
     for case in args.cases.split(","):
-        for arm in ("direct", "verl"):
-            with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                cmd = [sys.executable, __file__, "--arm", arm, "--case", case, "--out", f.name,
-                       "--config", args.config, "--samples", str(args.samples),
-                       "--steps", str(args.steps), "--seed", str(args.seed)]
-                for s in args.set:
-                    cmd += ["--set", s]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode != 0:
-                    runs.append({"arm": arm, "case": case, "status": "failed",
-                                 "log_tail": r.stderr.strip().splitlines()[-12:]})
-                else:
-                    runs.append(json.loads(Path(f.name).read_text()))
-                print(json.dumps(runs[-1])[:600], flush=True)
-            # after every arm: a cut-off run keeps what it measured
-            write_json_and_table(report_of(args, runs), args.out, table)
+        runs += run_case(w, case, args, device)
+        for r in runs[-2:]:
+            print(json.dumps(r)[:400], flush=True)
+        # after every case: a cut-off run keeps what it measured
+        report = report_of(args, runs)
+        report["build_s"] = build_s
+        write_json_and_table(report, args.out, table)
+    dist.destroy_process_group()
 
 
 def report_of(args, runs) -> dict:
@@ -268,7 +259,7 @@ def report_of(args, runs) -> dict:
         if "update_tok_s" in d and "update_tok_s" in v:
             ratios[case] = {"update_tok_s": v["update_tok_s"] / d["update_tok_s"],
                             "logprob_tok_s": v["logprob_tok_s"] / d["logprob_tok_s"],
-                            "peak": v["peak_gib"] / d["peak_gib"]}
+                            "peak": v["peak_gib"] / d["peak_gib"] if d["peak_gib"] else None}
     report = {"bench": "verl-worker", "config": args.config, "overrides": args.set,
               "budget": BUDGET, "steps": args.steps, "runs": runs, "verl_over_direct": ratios}
     try:
@@ -291,7 +282,7 @@ def table(report: dict) -> str:
                     f"{r['logprob_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | "
                     f"{r['peak_gib']:.2f} |")
     ratio = "".join(f"\n{c}: verl over direct: update tok/s {x['update_tok_s']:.3f}, log-prob "
-                    f"tok/s {x['logprob_tok_s']:.3f}, peak {x['peak']:.3f}"
+                    f"tok/s {x['logprob_tok_s']:.3f}, peak {x['peak'] or 0:.3f}"
                     for c, x in report["verl_over_direct"].items())
     return head + "\n".join(rows) + "\n" + ratio
 
