@@ -153,6 +153,17 @@ def test_graph_sees_function_level_and_relative_imports():
 # training loop and PolicyTrainer call checkpoint/, never the other way round.
 LAYERS = {"longmoe.checkpoint": ("longmoe.train", "longmoe.api", "longmoe.integrations",
                                  "longmoe.cli", "longmoe.bench", "longmoe.paired", "longmoe.plan")}
+# A sample's way to the loss only goes down (docs/architecture.md, "The walk of one sample"): data/
+# builds the one batch type and calls nothing above it; parallel/ (which slices that batch) and
+# rl/ (the objective the LM head calls back) know neither the data code nor the trainer.
+_ABOVE_DATA = ("longmoe.train", "longmoe.api", "longmoe.integrations", "longmoe.cli",
+               "longmoe.bench", "longmoe.paired", "longmoe.checkpoint")
+LAYERS.update({
+    "longmoe.data": _ABOVE_DATA + ("longmoe.parallel", "longmoe.model", "longmoe.rl",
+                                   "longmoe.plan"),
+    "longmoe.parallel": _ABOVE_DATA + ("longmoe.data",),
+    "longmoe.rl": _ABOVE_DATA + ("longmoe.data",),
+})
 
 
 def _within(module: str, package: str) -> bool:
