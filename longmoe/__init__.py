@@ -5,7 +5,9 @@ Map of the package (each module is one concern):
   model/        the decoder-only MoE transformer (norm, rope, attention, moe, blocks)
   ops/          primitives with registries: linear cross-entropy, grouped GEMM, recompute
   parallel/     DeviceMesh layout, expert parallel dispatch/combine, FSDP2 wrapping
-  train/        run config, data, RL losses, the per-rank training loop, launcher, checkpoints
+  data/         samples, sources, packing into the one batch type, balance across ranks
+  train/        run config, the step's data policy, RL losses, the per-rank training loop, launcher
+  checkpoint/   save and load, the directory lock, manifests and digests, verify
   paired/       candidate-vs-reference harness behind `longmoe paired` and the tests
   backends/     (longmoe.backends) per-vendor probes, timers, collective adapters, kernel configs
   tuning/       (longmoe.tuning) chunk-size defaults and tuner caches
