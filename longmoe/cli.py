@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--hidden", type=int, default=2048)
     bl.add_argument("--vocab", type=int, default=248320)
     bl.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    bl.add_argument("--impls", help="comma list of ours,ours_rl,naive,liger,cce (default: all)")
+    bl.add_argument("--impls", help="comma list of ours,ours_rl,ours_split,ours_rl_split,"
+                    "ours_lowp,ours_rl_lowp,naive,liger,cce (default: all)")
     bl.add_argument("--chunks", help="comma list of chunk sizes (tokens) to sweep for ours; 0 = default")
     bl.add_argument("--iters", type=int, default=5)
     bl.add_argument("--out", help="write the JSON report here")

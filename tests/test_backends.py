@@ -162,8 +162,9 @@ def test_shipped_kernel_configs():
         table = json.loads((BACKENDS_DIR / vendor / "kernels.json").read_text())
         for kernel, keys in (("grouped_gemm", {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
                                                 "num_stages"}),
-                             ("linear_ce_rows", {"BLOCK_V", "num_warps", "BLOCK_V_GRAD",
-                                                 "num_warps_grad"})):
+                             *((k, {"BLOCK_V", "num_warps", "BLOCK_V_GRAD", "num_warps_grad"})
+                               for k in ("linear_ce_rows", "linear_ce_rows_inplace",
+                                         "linear_ce_rows_lowp"))):
             for by_bucket in table[kernel].values():
                 for cfg in by_bucket.values():
                     assert keys <= set(cfg)

@@ -29,6 +29,28 @@ def test_fused_policy_loss_matches_reference(dtype, shape, chunk, coef):
     assert res.ok, (seed, res.failures())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,chunk", [((53, 29, 131), 8), ((9, 16, 400), 4)])
+def test_fused_inplace_policy_loss_matches_reference(dtype, shape, chunk):
+    T, H, V = shape
+    seed = fresh_seed()
+    res = policy_loss_case("fused_inplace_torch", seed, T=T, H=H, V=V, dtype=dtype,
+                           chunk_tokens=chunk)
+    assert res.ok, (seed, res.failures())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_lowp_policy_loss_matches_reference(dtype):
+    # bf16 logits move log-probs by ~1e-4 to 1e-3 here: a token that close to a clip bound can
+    # change regime and its gradient with it, which is why fused_lowp is not the default. The
+    # gradient math is checked with bounds no token reaches.
+    seed = fresh_seed()
+    res = policy_loss_case("fused_lowp_torch", seed, T=61, H=24, V=301, dtype=dtype,
+                           chunk_tokens=16, objective=Objective(clip_low=0.99, clip_high=50.0,
+                                                                entropy_coef=0.01))
+    assert res.ok, (seed, res.failures())
+
+
 def test_policy_loss_clipping_and_on_policy_by_hand():
     # Two tokens, vocab 2, hidden 1: logits are w * h, so log-probs are known in closed form.
     h = torch.tensor([[1.0], [2.0]], dtype=torch.float64, requires_grad=True)
@@ -87,7 +109,9 @@ def _has_gpu() -> bool:
 
 @pytest.mark.skipif(_has_gpu(), reason="GPU machines run the compiled kernels instead "
                                        "(test_triton_paths_on_gpu); the interpreter check is for CPU CI")
-@pytest.mark.parametrize("primitive,impl", [("linear_ce", "triton"), ("policy_loss", "fused")])
+@pytest.mark.parametrize("primitive,impl", [("linear_ce", "triton"), ("policy_loss", "fused"),
+                                            ("linear_ce", "triton_inplace"),
+                                            ("policy_loss", "fused_inplace")])
 def test_triton_kernels_under_interpreter(primitive, impl):
     # The Triton row kernels run on CPU tensors through Triton's interpreter.
     out = run_interpreted(["-m", "longmoe", "paired", primitive, "--impl", impl, "--json",
@@ -95,6 +119,29 @@ def test_triton_kernels_under_interpreter(primitive, impl):
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["ok"] and res["candidate"] == impl, res
+
+
+@pytest.mark.skipif(_has_gpu(), reason="GPU machines run the compiled kernels instead")
+def test_inplace_kernels_under_interpreter_bf16():
+    # bf16 inputs take the kernels the fp32 paired run does not: the gradient written over the
+    # fp32 logits' bytes (triton_inplace), bf16 logits with the arg-max and fix-ups (triton_lowp).
+    code = (
+        "import json, sys, torch\n"
+        "from longmoe.paired.cases import linear_ce_case, policy_loss_case\n"
+        "from longmoe.rl.objective import Objective\n"
+        "s = int(sys.argv[1]); out = {}\n"
+        "kw = dict(T=37, H=24, V=301, dtype=torch.bfloat16, chunk_tokens=8)\n"
+        "for impl in ('triton_inplace', 'triton_lowp'):\n"
+        "    out[impl] = linear_ce_case(impl, s, **kw).failures()\n"
+        "out['fused_inplace'] = policy_loss_case('fused_inplace', s, **kw).failures()\n"
+        "wide = Objective(clip_low=0.99, clip_high=50.0, entropy_coef=0.01)\n"
+        "out['fused_lowp'] = policy_loss_case('fused_lowp', s, objective=wide, **kw).failures()\n"
+        "print(json.dumps(out))\n")
+    seed = random.randrange(2**31)
+    out = run_interpreted(["-c", code, str(seed)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not any(res.values()), (seed, res)
 
 
 # One target in the fast tier (the quickest to compile on CPU), the others in the slow tier.
@@ -123,10 +170,15 @@ def test_compile_check_flags_an_over_budget_config():
 def test_triton_paths_on_gpu(dtype):
     from longmoe.paired.cases import linear_ce_case
     seed = fresh_seed()
-    res = linear_ce_case("triton", seed, T=1031, H=256, V=5003, dtype=dtype, chunk_tokens=300)
-    assert res.ok, (seed, res.failures())
-    res = policy_loss_case("fused", seed, T=1031, H=256, V=5003, dtype=dtype, chunk_tokens=300)
-    assert res.ok, (seed, res.failures())
+    # fused_lowp with clip bounds no token reaches (test_fused_lowp_policy_loss_matches_reference)
+    wide = Objective(clip_low=0.99, clip_high=50.0, entropy_coef=0.01)
+    for ce, pl, obj in (("triton", "fused", None), ("triton_inplace", "fused_inplace", None),
+                        ("triton_lowp", "fused_lowp", wide)):
+        res = linear_ce_case(ce, seed, T=1031, H=256, V=5003, dtype=dtype, chunk_tokens=300)
+        assert res.ok, (ce, seed, res.failures())
+        res = policy_loss_case(pl, seed, T=1031, H=256, V=5003, dtype=dtype, chunk_tokens=300,
+                               objective=obj)
+        assert res.ok, (pl, seed, res.failures())
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

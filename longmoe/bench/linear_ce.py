@@ -5,6 +5,13 @@ Per (impl, T): median fwd+bwd ms over timed iterations after warm-up (device eve
 memory over the inputs and their gradients, and the loss (agreement across impls). Peers are
 optional imports: a missing one is recorded as "missing", an OOM as "oom".
 
+"ours"/"ours_rl" are the in-place layout (linear_ce triton_inplace, policy_loss fused_inplace),
+"ours_lowp"/"ours_rl_lowp" the low-precision-logits one (triton_lowp, fused_lowp),
+"ours_split"/"ours_rl_split" the fp32 logits with a separate gradient and an fp32 dW (triton,
+fused). With "ours_split" and another layout selected, `precision` compares each with it at the
+first T at two logit scales: log-probs, entropy (max abs difference) and CE dH, dW (max abs
+difference over max abs of the split layout's).
+
 Legend: T tokens, H hidden, V vocab.
 """
 
@@ -28,13 +35,12 @@ def _peers():
     def ours(impl, chunk=None):
         return lambda h, w, y: linear_cross_entropy(h, w, y, impl=impl, chunk_tokens=chunk)
 
-    def ours_rl(chunk=None):
+    def ours_rl(impl, chunk=None):
         def fn(h, w, y):
             g = torch.Generator(device=h.device).manual_seed(0)
             adv = torch.randn(y.shape, device=h.device, generator=g)
             objective = Objective()  # GRPO clipped surrogate, token mean, on-policy tokens
             inputs = TokenInputs(adv, objective.token_weights(y != -100, int((y != -100).sum())))
-            impl = "fused" if h.device.type != "cpu" else "fused_torch"
             return linear_policy_loss(h, w, y, objective, inputs, impl=impl,
                                       chunk_tokens=chunk)[0]
         return fn
@@ -52,6 +58,48 @@ def _peers():
         return lambda h, w, y: cce_fn(h, w, y)
 
     return {"ours": ours, "ours_rl": ours_rl, "naive": naive, "liger": liger, "cce": cce}
+
+
+# bench name -> (registry impl on GPUs, on CPU)
+OURS = {"ours": ("triton_inplace", "chunked_inplace"), "ours_split": ("triton", "chunked"),
+        "ours_lowp": ("triton_lowp", "chunked_lowp"),
+        "ours_rl": ("fused_inplace", "fused_inplace_torch"), "ours_rl_split": ("fused", "fused_torch"),
+        "ours_rl_lowp": ("fused_lowp", "fused_lowp_torch")}
+
+
+def _ours_fn(peers, name, device, chunk):
+    impl = OURS[name][device.type == "cpu"]
+    return peers["ours_rl" if "_rl" in name else "ours"](impl, chunk)
+
+
+def precision(T: int, H: int, V: int, device, dtype, w_scale: float, names) -> list[dict]:
+    """Each layout in `names` against ours_split on the same inputs (see the docstring)."""
+    from longmoe.ops import linear_cross_entropy, linear_logprobs
+    g = torch.Generator(device=device).manual_seed(T + 1)
+    h = (torch.randn(T, H, device=device, generator=g) * 0.5).to(dtype)
+    w = (torch.randn(V, H, device=device, generator=g) * w_scale).to(dtype)
+    y = torch.randint(0, V, (T,), device=device, generator=g)
+    cpu = device.type == "cpu"
+
+    def run(name):
+        impl = OURS[name][cpu]
+        with torch.no_grad():
+            lp, ent = linear_logprobs(h, w, y, with_entropy=True, impl=impl)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        linear_cross_entropy(hh, ww, y, impl=impl).backward()
+        return lp, ent, hh.grad.float(), ww.grad.float()
+
+    lp0, ent0, dh0, dw0 = run("ours_split")
+    rows = []
+    for name in names:
+        lp, ent, dh, dw = run(name)
+        rows.append({"impl": name, "T": T, "w_scale": w_scale,
+                     "logprobs_max_abs": float((lp - lp0).abs().max()),
+                     "entropy_max_abs": float((ent - ent0).abs().max()),
+                     "dH_rel": float((dh - dh0).abs().max() / dh0.abs().max()),
+                     "dW_rel": float((dw - dw0).abs().max() / dw0.abs().max())})
+        del lp, ent, dh, dw
+    return rows
 
 
 def _gemm_rate(backend, dtype, device, H, V) -> float:
@@ -93,7 +141,8 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
               chunks: list[int] | None = None, warmup: int = 2, iters: int = 5) -> dict:
     backend = active_backend()
     device = backend.device(0)
-    impls = impls or ["ours", "ours_rl", "naive", "liger", "cce"]
+    impls = impls or ["ours", "ours_rl", "ours_split", "ours_rl_split", "ours_lowp", "ours_rl_lowp",
+                      "naive", "liger", "cce"]
     peers = _peers()
     rate = _gemm_rate(backend, dtype, device, H, V) if device.type != "cpu" else None
     results = []
@@ -105,15 +154,13 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
         floor_ms = 6 * T * H * V / rate * 1e3 if rate else None
         for name in impls:
             sweep = [c or None for c in (chunks or [0])]  # 0: the default chunk size
-            variants = [(c, {"chunk": c}) for c in sweep] if name in ("ours", "ours_rl") else [(None, {})]
+            variants = [(c, {"chunk": c}) for c in sweep] if name in OURS else [(None, {})]
             for chunk, kw in variants:
                 row = {"impl": name, "T": T, "H": H, "V": V, "chunk_tokens": chunk,
                        "floor_ms": floor_ms}
                 try:
-                    if name == "ours":
-                        fn = peers[name]("triton" if device.type != "cpu" else "chunked", **kw)
-                    elif name == "ours_rl":
-                        fn = peers[name](**kw)
+                    if name in OURS:
+                        fn = _ours_fn(peers, name, device, kw["chunk"])
                     elif name == "naive":
                         fn = peers[name]
                     else:
@@ -127,7 +174,7 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
                 except torch.OutOfMemoryError:
                     row["status"] = "oom"
                 except Exception as e:  # a peer that cannot run here; ours must not fail
-                    if name in ("ours", "ours_rl"):
+                    if name in OURS:
                         raise
                     row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 finally:
@@ -136,10 +183,17 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
         del h, w, y
+    prec = []
+    compared = [n for n in ("ours", "ours_lowp") if n in impls]
+    if "ours_split" in impls and compared:
+        for scale in (0.02, 0.2):  # logits of std 0.45 (flat softmax) and 4.5 (peaked)
+            prec += precision(tokens[0], H, V, device, dtype, scale, compared)
+            print(json.dumps(prec[-len(compared):]), flush=True)
+            backend.empty_cache()
     return {"benchmark": "linear-ce", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": backend.probe(), "versions": backend.versions(), "dtype": str(dtype),
             "gemm_tflops": rate / 1e12 if rate else None, "warmup": warmup, "iters": iters,
-            "results": results}
+            "results": results, "precision": prec}
 
 
 def markdown_table(report: dict) -> str:
@@ -151,6 +205,14 @@ def markdown_table(report: dict) -> str:
         xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
         lines.append(f"| {r['T']} | {r['impl']} | {r.get('chunk_tokens') or 'auto'} | {r['ms']:.1f} | {xf} | "
                      f"{r['extra_peak_bytes'] / 2**30:.2f} | {r['loss']:.5f} |")
+    if report.get("precision"):
+        lines += ["", "Against ours_split (fp32 logits, fp32 dW), same inputs:", "",
+                  "| impl | T | W scale | log-probs max abs | entropy max abs | dH rel | dW rel |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in report["precision"]:
+            lines.append(f"| {p['impl']} | {p['T']} | {p['w_scale']} | "
+                         f"{p['logprobs_max_abs']:.2e} | {p['entropy_max_abs']:.2e} | "
+                         f"{p['dH_rel']:.2e} | {p['dW_rel']:.2e} |")
     return "\n".join(lines)
 
 
@@ -170,7 +232,7 @@ def profile_breakdown(T: int, H: int, V: int, chunk: int | None, which: str = "o
     w = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
     y = torch.randint(0, V, (T,), device=device, generator=g)
     peers = _peers()
-    fn = peers["ours"]("triton", chunk) if which == "ours" else peers["ours_rl"](chunk)
+    fn = _ours_fn(peers, which, device, chunk)
     for _ in range(2):
         h.grad = w.grad = None
         fn(h, w, y).backward()

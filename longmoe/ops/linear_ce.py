@@ -10,6 +10,13 @@ Implementations (registry "linear_ce"):
            memory is one fp32 [C, V] chunk plus its gradient. Runs everywhere.
   triton   the same chunking with the row statistics and the logit gradient in Triton kernels
            (ops/kernels/ce_rows.py); GPUs, or CPU under TRITON_INTERPRET=1.
+  triton_inplace   (the default on GPUs) the Triton kernels on fp32 logits with the gradient
+           written over their bytes and dW accumulated in the weight's dtype: one fp32 [C, V]
+           chunk is all it holds beyond the gradients.
+  triton_lowp  the same with logits in the input dtype (half the bytes again; log-probs and the
+           largest gradient entries are corrected in fp32, the rest carries bf16 logit error).
+  chunked_inplace, chunked_lowp  the same layouts with plain-PyTorch rows (never picked by
+           "auto"). linear_ce_engines.py has the layouts and what each costs in precision.
   liger    liger-kernel's fused linear CE (loss only; never picked by "auto"), an adapter so the
            peer runs behind the same API.
 CE with mean/sum reduction knows each token's gradient weight in the forward, so it runs the
@@ -22,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from longmoe.ops.linear_ce_chunks import (ChunkedLogprobs, FusedGrad, check_inputs,
-                                          check_label_range, default_chunk_tokens, flat_checked)
+                                          check_label_range, engine_chunk_tokens, flat_checked)
 from longmoe.ops.linear_ce_engines import ENGINES, TritonRows, acc_dtype
 from longmoe.ops.registry import ImplUnavailable, Registry
 
@@ -31,9 +38,10 @@ LINEAR_CE = Registry("linear_ce", renamed={"naive": "reference"})
 
 def _engine_impl(engine_name: str):
     def fn(h_TH, w_VH, labels_T, ignore_index, with_entropy, chunk_tokens=None):
-        chunk = chunk_tokens or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
+        engine = ENGINES[engine_name]
+        chunk = chunk_tokens or engine_chunk_tokens(engine, h_TH.shape[0], w_VH.shape[0], h_TH.dtype)
         lp, ent = ChunkedLogprobs.apply(h_TH, w_VH, labels_T, ignore_index, chunk,
-                                         with_entropy, ENGINES[engine_name])
+                                         with_entropy, engine)
         return lp, (ent if with_entropy else None)
     return fn
 
@@ -62,9 +70,19 @@ def _liger_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction):
         w_VH, h_TH, labels_T)
 
 
+# impl name -> row engine of the chunk loops
+IMPL_ENGINES = {"chunked": "torch", "triton": "triton", "chunked_inplace": "torch_inplace",
+                "triton_inplace": "triton_inplace", "chunked_lowp": "torch_lowp",
+                "triton_lowp": "triton_lowp"}
 LINEAR_CE.register("chunked", priority=10)(_engine_impl("torch"))
+LINEAR_CE.register("chunked_inplace", priority=5)(_engine_impl("torch_inplace"))
+LINEAR_CE.register("chunked_lowp", priority=4)(_engine_impl("torch_lowp"))
 LINEAR_CE.register("triton", priority=20, check=lambda h, w, y: TritonRows.ready(h.device))(
     _engine_impl("triton"))
+LINEAR_CE.register("triton_inplace", priority=30,
+                   check=lambda h, w, y: TritonRows.ready(h.device))(_engine_impl("triton_inplace"))
+LINEAR_CE.register("triton_lowp", priority=15,
+                   check=lambda h, w, y: TritonRows.ready(h.device))(_engine_impl("triton_lowp"))
 
 
 @LINEAR_CE.register("reference", priority=0, reference=True)
@@ -94,7 +112,7 @@ def _engine_for(impl: str, h_TH, w_VH, labels_T):
     chosen = LINEAR_CE.select(impl, h_TH, w_VH, labels_T).name
     if chosen == "reference":
         return None, chosen
-    return ENGINES["triton" if chosen == "triton" else "torch"], chosen
+    return ENGINES[IMPL_ENGINES[chosen]], chosen
 
 
 def fused_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction, impl, chunk_tokens,
@@ -114,7 +132,7 @@ def fused_cross_entropy(h_TH, w_VH, labels_T, ignore_index, reduction, impl, chu
         lse = lse_C.to(lp_C.dtype)  # + z_loss * scale * sum(lse^2): d/d lse = 2 z_loss scale lse
         return lp_C * w_lp + z_loss * scale * lse * lse, w_lp, None, 2 * z_loss * scale * lse
 
-    chunk = chunk_tokens or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
+    chunk = chunk_tokens or engine_chunk_tokens(engine, h_TH.shape[0], w_VH.shape[0], h_TH.dtype)
     loss, _, _ = FusedGrad.apply(h_TH, w_VH, labels_T, ignore_index, chunk, False, engine, weights)
     return loss
 

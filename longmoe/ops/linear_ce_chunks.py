@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from longmoe.ops.linear_ce_engines import acc_dtype, accumulate_dw, logits_into
+from longmoe.ops.linear_ce_engines import acc_dtype, accumulate_dw, exact_fixup, logits_into
 
 # Budget for one fp32 [C, V] logits chunk (plus a bf16 gradient chunk of half its size and an fp32
 # weight-gradient accumulator). Larger chunks mean bigger GEMMs and fewer passes over the fp32
@@ -26,8 +26,73 @@ from longmoe.ops.linear_ce_engines import acc_dtype, accumulate_dw, logits_into
 CHUNK_BYTES = 2 * 2**30
 
 
-def default_chunk_tokens(num_tokens: int, vocab: int, budget: int = CHUNK_BYTES) -> int:
-    return max(1, min(num_tokens, budget // (4 * vocab)))
+# The in-place layouts hold one [C, V] logits chunk and nothing else of that size (the gradient
+# is written over it, dW accumulates in the weight's own gradient), so the whole op stays within
+# 1 GiB above its inputs and gradients: 1,024 tokens of fp32 logits (inplace, 0.95 GiB at
+# V = 248,320) or 1,920 of bf16 ones (lowp, 0.89 GiB; the fp32 recomputation of two logits per
+# row adds ~60 MiB of temporaries beside it).
+INPLACE_CHUNK_BYTES = {"inplace": 61 * 2**24, "lowp": 15 * 2**26}
+
+
+def default_chunk_tokens(num_tokens: int, vocab: int, budget: int = CHUNK_BYTES,
+                         elem_bytes: int = 4, multiple: int = 1) -> int:
+    c = budget // (elem_bytes * vocab)
+    if c >= 2 * multiple:
+        c -= c % multiple  # GEMM-friendly token counts
+    return max(1, min(num_tokens, c))
+
+
+def engine_chunk_tokens(engine, num_tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """The default chunk of `engine`'s layout."""
+    layout = getattr(engine, "layout", "split")
+    if layout == "split":
+        return default_chunk_tokens(num_tokens, vocab)
+    size = (torch.empty((), dtype=dtype).element_size() if layout == "lowp"
+            else torch.empty((), dtype=acc_dtype(dtype)).element_size())
+    return default_chunk_tokens(num_tokens, vocab, INPLACE_CHUNK_BYTES[layout], size, 128)
+
+
+def chunk_buffers(engine, h_TH, V: int, chunk: int):
+    """(logits buffer, gradient buffer) for one chunk. In the in-place layouts the gradient is
+    the logits' own bytes: the same tensor (lowp, or fp32 inputs), or the first half of each
+    fp32 row seen as bf16/fp16 (row stride 2V)."""
+    rows, dev = min(chunk, h_TH.shape[0]), h_TH.device
+    acc = acc_dtype(h_TH.dtype)
+    if engine.layout == "lowp":
+        z = torch.empty(rows, V, dtype=h_TH.dtype, device=dev)
+        return z, z
+    z = torch.empty(rows, V, dtype=acc, device=dev)
+    if engine.layout == "split":
+        return z, torch.empty(rows, V, dtype=h_TH.dtype, device=dev)
+    if h_TH.dtype == acc:
+        return z, z
+    return z, z.view(h_TH.dtype)[:, :V]
+
+
+def chunk_stats(engine, h_CH, w_VH, z_CV, y_C, ignore_index: int, with_entropy: bool):
+    """(lse, target logit, entropy, fix): fix is None for fp32 logits, else the exact values the
+    gradient kernels put in at two columns per row (exact_fixup)."""
+    low = z_CV.dtype.itemsize < 4
+    lse_C, tgt_C, ent_C, arg_C = engine.stats(z_CV, y_C, ignore_index, with_entropy, low)
+    if not low:
+        return lse_C, tgt_C, ent_C, None
+    tgt_f, lse_f, ent_f, fix = exact_fixup(h_CH, w_VH, z_CV, y_C, ignore_index, lse_C, ent_C,
+                                           arg_C)
+    return lse_f, tgt_f, ent_f, fix
+
+
+def dw_buffer(engine, w_VH):
+    if engine.layout != "split":  # written by the first chunk's GEMM
+        return torch.empty_like(w_VH)
+    return torch.zeros(w_VH.shape, dtype=acc_dtype(w_VH.dtype), device=w_VH.device)
+
+
+def add_dw(engine, dw_VH, dz_CV, h_CH, first: bool):
+    if engine.layout != "split":
+        if first:
+            return torch.mm(dz_CV.T, h_CH, out=dw_VH)
+        return dw_VH.addmm_(dz_CV.T, h_CH)  # fp32 sums inside the GEMM, one rounding per chunk
+    return accumulate_dw(dw_VH, dz_CV, h_CH)
 
 
 def check_inputs(hidden, weight, labels):
@@ -71,30 +136,39 @@ class ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, h_TH, w_VH, labels_T, ignore_index, chunk, with_entropy, engine):
         T, V = h_TH.shape[0], w_VH.shape[0]
         acc = acc_dtype(h_TH.dtype)
-        lse_T = torch.empty(T, dtype=acc, device=h_TH.device)
+        lse_T = torch.empty(T, dtype=acc, device=h_TH.device)  # as the gradient kernels use it
         lp_T = torch.empty_like(lse_T)
         ent_T = torch.empty_like(lse_T) if with_entropy else None
-        z_buf = torch.empty(min(chunk, T), V, dtype=acc, device=h_TH.device)
+        z_buf, _ = chunk_buffers(engine, h_TH, V, chunk)
+        fix_cols_T2 = fix_vals_T2 = None
+        if z_buf.dtype.itemsize < 4:  # exact values at two columns per row for the backward
+            fix_cols_T2 = torch.empty(T, 2, dtype=torch.int64, device=h_TH.device)
+            fix_vals_T2 = torch.empty(T, 2, dtype=acc, device=h_TH.device)
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
             z_CV = logits_into(h_TH[s:e], w_VH, z_buf[: e - s])
-            lse_C, tgt_C, ent_C = engine.stats(z_CV, labels_T[s:e], ignore_index, with_entropy)
+            lse_C, tgt_C, ent_C, fix = chunk_stats(engine, h_TH[s:e], w_VH, z_CV, labels_T[s:e],
+                                                   ignore_index, with_entropy)
             lse_T[s:e] = lse_C
             lp_T[s:e] = tgt_C - lse_C
             if with_entropy:
                 ent_T[s:e] = ent_C
+            if fix is not None:
+                fix_cols_T2[s:e], fix_vals_T2[s:e] = fix
+        del z_buf
         valid_T = labels_T != ignore_index
         lp_T = torch.where(valid_T, lp_T, 0.0)
         if with_entropy:
             ent_T = torch.where(valid_T, ent_T, 0.0)
-        ctx.save_for_backward(h_TH, w_VH, labels_T, lse_T, ent_T if with_entropy else lse_T)
+        ctx.save_for_backward(h_TH, w_VH, labels_T, lse_T, ent_T if with_entropy else lse_T,
+                              fix_cols_T2, fix_vals_T2)
         ctx.set_materialize_grads(False)  # an unused entropy output costs no backward work
         ctx.args = (ignore_index, chunk, with_entropy, engine)
         return lp_T, (ent_T if with_entropy else lse_T.new_zeros(0))
 
     @staticmethod
     def backward(ctx, g_lp_T, g_ent_T):
-        h_TH, w_VH, labels_T, lse_T, ent_T = ctx.saved_tensors
+        h_TH, w_VH, labels_T, lse_T, ent_T, fix_cols_T2, fix_vals_T2 = ctx.saved_tensors
         ignore_index, chunk, with_entropy, engine = ctx.args
         T, V = h_TH.shape[0], w_VH.shape[0]
         use_ent = with_entropy and g_ent_T is not None
@@ -106,19 +180,19 @@ class ChunkedLogprobs(torch.autograd.Function):
         g_ent_T = g_ent_T.to(acc) if use_ent else None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh_TH = torch.empty_like(h_TH) if need_h else None
-        dw_VH = torch.zeros(w_VH.shape, dtype=acc, device=w_VH.device) if need_w else None
-        z_buf = torch.empty(min(chunk, T), V, dtype=acc, device=h_TH.device)
-        dz_buf = torch.empty(min(chunk, T), V, dtype=h_TH.dtype, device=h_TH.device)
+        dw_VH = dw_buffer(engine, w_VH) if need_w else None
+        z_buf, dz_buf = chunk_buffers(engine, h_TH, V, chunk)
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
             z_CV = logits_into(h_TH[s:e], w_VH, z_buf[: e - s])
+            fix = None if fix_cols_T2 is None else (fix_cols_T2[s:e], fix_vals_T2[s:e])
             dz_CV = engine.grad(z_CV, dz_buf[: e - s], labels_T[s:e], lse_T[s:e],
                                 ez_T[s:e] if use_ent else None, g_lp_T[s:e],
-                                g_ent_T[s:e] if use_ent else None, ignore_index)
+                                g_ent_T[s:e] if use_ent else None, ignore_index, fix=fix)
             if need_h:
                 torch.mm(dz_CV, w_VH, out=dh_TH[s:e])
             if need_w:
-                accumulate_dw(dw_VH, dz_CV, h_TH[s:e])
+                add_dw(engine, dw_VH, dz_CV, h_TH[s:e], s == 0)
         return dh_TH, (dw_VH.to(w_VH.dtype) if need_w else None), None, None, None, None, None
 
 
@@ -138,15 +212,15 @@ class FusedGrad(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=h_TH.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh_TH = torch.empty_like(h_TH) if need_h else None
-        dw_VH = torch.zeros(w_VH.shape, dtype=acc, device=w_VH.device) if need_w else None
-        z_buf = torch.empty(min(chunk, T), V, dtype=acc, device=h_TH.device)
-        dz_buf = torch.empty(min(chunk, T), V, dtype=h_TH.dtype, device=h_TH.device)
+        dw_VH = dw_buffer(engine, w_VH) if need_w else None
+        z_buf, dz_buf = chunk_buffers(engine, h_TH, V, chunk)
         valid_T = labels_T != ignore_index
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
             y_C = labels_T[s:e]
             z_CV = logits_into(h_TH[s:e], w_VH, z_buf[: e - s])
-            lse_C, tgt_C, ent_C = engine.stats(z_CV, y_C, ignore_index, with_entropy)
+            lse_C, tgt_C, ent_C, fix = chunk_stats(engine, h_TH[s:e], w_VH, z_CV, y_C, ignore_index,
+                                                   with_entropy)
             lp_C = torch.where(valid_T[s:e], tgt_C - lse_C, 0.0)
             lp_T[s:e] = lp_C
             if with_entropy:
@@ -159,18 +233,27 @@ class FusedGrad(torch.autograd.Function):
             ez_C = (lse_C - ent_C) if w_ent_C is not None else None
             dz_CV = engine.grad(z_CV, dz_buf[: e - s], y_C, lse_C, ez_C, w_lp_C.to(acc),
                                 None if w_ent_C is None else w_ent_C.to(acc), ignore_index,
-                                None if w_lse_C is None else w_lse_C.to(acc))
+                                None if w_lse_C is None else w_lse_C.to(acc), fix=fix)
             if need_h:
                 torch.mm(dz_CV, w_VH, out=dh_TH[s:e])
             if need_w:
-                accumulate_dw(dw_VH, dz_CV, h_TH[s:e])
+                add_dw(engine, dw_VH, dz_CV, h_TH[s:e], s == 0)
+        del z_buf, dz_buf
         ctx.save_for_backward(dh_TH, dw_VH.to(w_VH.dtype) if need_w else None)
         ctx.mark_non_differentiable(lp_T, *(() if ent_T is None else (ent_T,)))
         return loss, lp_T, (ent_T if with_entropy else lp_T.new_zeros(0))
 
     @staticmethod
     def backward(ctx, g_loss, _g_lp, _g_ent):
+        # Scaled in place and handed over: a copy of dW would be a second [V, H] tensor at the
+        # peak. The gradients exist once, so a second backward through the graph cannot be right.
+        if getattr(ctx, "used", False):
+            raise RuntimeError("linear CE with gradients in the forward: backward ran twice on "
+                               "one graph; run the loss again for another backward")
+        ctx.used = True
         dh_TH, dw_VH = ctx.saved_tensors
-        dh = dh_TH * g_loss.to(dh_TH.dtype) if dh_TH is not None else None
-        dw = dw_VH * g_loss.to(dw_VH.dtype) if dw_VH is not None else None
-        return dh, dw, None, None, None, None, None, None
+        if dh_TH is not None:
+            dh_TH.mul_(g_loss.to(dh_TH.dtype))
+        if dw_VH is not None:
+            dw_VH.mul_(g_loss.to(dw_VH.dtype))
+        return dh_TH, dw_VH, None, None, None, None, None, None

@@ -4,6 +4,16 @@ fp64 references), compute the row statistics and the logit gradient for per-toke
   TorchRows   plain PyTorch; runs everywhere (the CPU path and the fallback).
   TritonRows  the Triton kernels of ops/kernels/ce_rows.py, tiles from the backend's table.
 
+Each comes in three layouts (`layout`):
+  split    fp32 logits, a separate gradient chunk in the input dtype, dW accumulated in fp32.
+  inplace  fp32 logits, the gradient (input dtype) written over their bytes, dW accumulated in
+           the weight's dtype (the GEMM adds in fp32 and rounds once per chunk).
+  lowp     logits in the input dtype, the gradient written over them, dW as for inplace. Rows
+         are still reduced in fp32; the target logit and each row's largest logit are recomputed in fp32 from
+         hidden and weight and used in the statistics and the gradient (`exact_fixup`), which
+         keeps bf16 log-probs within about 1e-3 of the fp32-logit path where the distribution
+         is peaked (a plain bf16 round trip is off by up to |z| * 2^-9).
+
 Also the two GEMMs whose output precision matters: logits in fp32 from low-precision inputs, and
 the weight gradient accumulated in fp32 across chunks (cuBLAS/hipBLASLt `out_dtype` where torch
 has it, an upcast copy otherwise).
@@ -46,11 +56,37 @@ def accumulate_dw(dw_VH, dz_CV, h_CH):
     return dw_VH.addmm_(dz_CV.T.to(dw_VH.dtype), h_CH.to(dw_VH.dtype))
 
 
+def exact_fixup(h_CH, w_VH, z_CV, labels_C, ignore_index: int, lse_C, ent_C, arg_C):
+    """(target logit, log-sum-exp, entropy, fix) of low-precision logits z_CV, corrected to first
+    order: the target logit and the row's largest logit (column arg_C) are recomputed as fp32 dot
+    products of hidden and weight rows, and d lse / d z_m = p_m, d entropy / d z_m =
+    -p_m (z_m - E_p[z]) carry the largest logit's rounding error out of the statistics. The
+    other logits' rounding errors are weighted by their probabilities, which sum to 1 - p_m, and
+    are independent, so they mostly cancel. `fix` = (columns [C, 2], fp32 values [C, 2]): the
+    gradient kernels use the exact values at those two columns, so the largest softmax entries
+    carry fp32 accuracy into the gradient as well."""
+    acc = lse_C.dtype
+    valid = labels_C != ignore_index
+    cols_C2 = torch.stack([torch.where(valid, labels_C, 0), arg_C], 1)
+    exact_C2 = (w_VH[cols_C2].to(acc) * h_CH[:, None, :].to(acc)).sum(-1)  # bf16 products are exact in fp32
+    m_low_C = z_CV.gather(1, arg_C[:, None])[:, 0].to(acc)
+    delta_C = exact_C2[:, 1] - m_low_C
+    p_m_C = torch.exp(m_low_C - lse_C)
+    lse_fix = lse_C + p_m_C * delta_C
+    ent_fix = None
+    if ent_C is not None:
+        ent_fix = ent_C - p_m_C * (m_low_C - (lse_C - ent_C)) * delta_C
+    return torch.where(valid, exact_C2[:, 0], 0.0), lse_fix, ent_fix, (cols_C2, exact_C2)
+
+
 class TorchRows:
     name = "torch"
+    layout = "split"
 
     @staticmethod
-    def stats(z_CV, labels_C, ignore_index: int, with_entropy: bool):
+    def stats(z_CV, labels_C, ignore_index: int, with_entropy: bool, with_argmax: bool = False):
+        """(lse, target logit, entropy or None, argmax column or None), fp32."""
+        z_CV = z_CV.to(torch.promote_types(z_CV.dtype, torch.float32))
         lse_C = torch.logsumexp(z_CV, dim=-1)
         valid = labels_C != ignore_index
         tgt_C = torch.where(valid, z_CV.gather(1, torch.where(valid, labels_C, 0)[:, None])[:, 0], 0.0)
@@ -58,11 +94,15 @@ class TorchRows:
         if with_entropy:
             p = torch.exp(z_CV - lse_C[:, None])
             ent_C = lse_C - (p * z_CV).sum(-1)
-        return lse_C, tgt_C, ent_C
+        return lse_C, tgt_C, ent_C, (z_CV.argmax(-1) if with_argmax else None)
 
     @staticmethod
-    def grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int, w_lse_C=None):
+    def grad(z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int, w_lse_C=None,
+             fix=None):
         valid = labels_C != ignore_index
+        z_CV = z_CV.to(lse_C.dtype)  # a copy when z is low precision: dz may be the same buffer
+        if fix is not None:
+            z_CV = z_CV.scatter(1, fix[0], fix[1].to(z_CV.dtype))
         p = torch.exp(z_CV - lse_C[:, None])
         w_lp = torch.where(valid, w_lp_C, 0.0)
         g = -p * w_lp[:, None]
@@ -77,33 +117,71 @@ class TorchRows:
 
 class TritonRows:
     name = "triton"
+    layout = "split"
+    table_key = "linear_ce_rows"
     ready = staticmethod(triton_ready)
 
-    @staticmethod
-    def _cfg(device: torch.device) -> dict:
-        return active_backend().kernel_config("linear_ce_rows")
+    @classmethod
+    def _cfg(cls, device: torch.device) -> dict:
+        return active_backend().kernel_config(cls.table_key)
 
     @classmethod
-    def stats(cls, z_CV, labels_C, ignore_index: int, with_entropy: bool):
+    def stats(cls, z_CV, labels_C, ignore_index: int, with_entropy: bool, with_argmax: bool = False):
         from longmoe.ops.kernels.ce_rows import launch_stats
         C = z_CV.shape[0]
         lse_C = torch.empty(C, dtype=torch.float32, device=z_CV.device)
         tgt_C = torch.empty_like(lse_C)
         ent_C = torch.empty_like(lse_C) if with_entropy else None
-        launch_stats(z_CV, labels_C, lse_C, tgt_C, ent_C, ignore_index, cls._cfg(z_CV.device))
-        return lse_C, tgt_C, ent_C
+        arg_C = torch.empty(C, dtype=torch.int64, device=z_CV.device) if with_argmax else None
+        launch_stats(z_CV, labels_C, lse_C, tgt_C, ent_C, ignore_index, cls._cfg(z_CV.device),
+                     arg_C)
+        return lse_C, tgt_C, ent_C, arg_C
 
     @classmethod
     def grad(cls, z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int,
-             w_lse_C=None):
-        from longmoe.ops.kernels.ce_rows import launch_grad
+             w_lse_C=None, fix=None):
+        from longmoe.ops.kernels.ce_rows import launch_grad, launch_grad_narrow
+        if dz_CV.dtype != z_CV.dtype:  # a narrower gradient over the logits' own bytes
+            assert fix is None and dz_CV.data_ptr() == z_CV.data_ptr()
+            launch_grad_narrow(z_CV, dz_CV, labels_C, lse_C.float().contiguous(),
+                               None if ez_C is None else ez_C.float().contiguous(),
+                               w_lp_C.float().contiguous(),
+                               None if w_ent_C is None else w_ent_C.float().contiguous(),
+                               ignore_index, cls._cfg(z_CV.device),
+                               None if w_lse_C is None else w_lse_C.float().contiguous())
+            return dz_CV
         launch_grad(z_CV, dz_CV, labels_C, lse_C.float().contiguous(),
                     None if ez_C is None else ez_C.float().contiguous(),
                     w_lp_C.float().contiguous(),
                     None if w_ent_C is None else w_ent_C.float().contiguous(),
                     ignore_index, cls._cfg(z_CV.device),
-                    None if w_lse_C is None else w_lse_C.float().contiguous())
+                    None if w_lse_C is None else w_lse_C.float().contiguous(),
+                    None if fix is None else (fix[0].contiguous(), fix[1].float().contiguous()))
         return dz_CV
 
 
-ENGINES = {"torch": TorchRows, "triton": TritonRows}
+class TorchRowsInplace(TorchRows):
+    name = "torch_inplace"
+    layout = "inplace"
+
+
+class TritonRowsInplace(TritonRows):
+    name = "triton_inplace"
+    layout = "inplace"
+    table_key = "linear_ce_rows_inplace"  # the gradient kernel walks each row in one program
+
+
+class TorchRowsLowp(TorchRows):
+    name = "torch_lowp"
+    layout = "lowp"
+
+
+class TritonRowsLowp(TritonRows):
+    # Own tiles: the logits are half the bytes of fp32 ones.
+    name = "triton_lowp"
+    layout = "lowp"
+    table_key = "linear_ce_rows_lowp"
+
+
+ENGINES = {e.name: e for e in (TorchRows, TritonRows, TorchRowsInplace, TritonRowsInplace,
+                               TorchRowsLowp, TritonRowsLowp)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from longmoe.ops.linear_ce import LINEAR_CE, linear_logprobs
 from longmoe.ops.linear_ce_chunks import (FusedGrad, check_inputs, check_label_range,
-                                          default_chunk_tokens)
+                                          engine_chunk_tokens)
 from longmoe.ops.linear_ce_engines import ENGINES
 from longmoe.ops.registry import Registry
 from longmoe.rl.objective import Objective, TokenInputs
@@ -34,7 +34,7 @@ def _policy_check(h, w, labels, *a):
 
 
 def _run_fused(engine, h_TH, w_VH, labels_T, objective, x_T, ignore_index, chunk):
-    chunk = chunk or default_chunk_tokens(h_TH.shape[0], w_VH.shape[0])
+    chunk = chunk or engine_chunk_tokens(engine, h_TH.shape[0], w_VH.shape[0], h_TH.dtype)
     weights = _objective_weights(objective, x_T, labels_T != ignore_index)
     return FusedGrad.apply(h_TH, w_VH, labels_T, ignore_index, chunk, True, engine, weights)
 
@@ -42,6 +42,21 @@ def _run_fused(engine, h_TH, w_VH, labels_T, objective, x_T, ignore_index, chunk
 @POLICY_LOSS.register("fused", priority=10, check=_policy_check)
 def _fused_policy(h_TH, w_VH, labels_T, objective, x_T, ignore_index, chunk):
     return _run_fused(ENGINES["triton"], h_TH, w_VH, labels_T, objective, x_T, ignore_index, chunk)
+
+
+# The in-place layouts of linear_ce.py (triton_inplace, triton_lowp): the gradient written over
+# the logits chunk, dW accumulated in the weight's dtype.
+def _register_layout(name, engine, priority, check=None):
+    def fn(h_TH, w_VH, labels_T, objective, x_T, ignore_index, chunk):
+        return _run_fused(ENGINES[engine], h_TH, w_VH, labels_T, objective, x_T, ignore_index,
+                          chunk)
+    POLICY_LOSS.register(name, priority=priority, **({"check": check} if check else {}))(fn)
+
+
+_register_layout("fused_inplace", "triton_inplace", 20, _policy_check)
+_register_layout("fused_lowp", "triton_lowp", 8, _policy_check)
+_register_layout("fused_inplace_torch", "torch_inplace", 3)
+_register_layout("fused_lowp_torch", "torch_lowp", 2)
 
 
 @POLICY_LOSS.register("fused_torch", priority=5)

@@ -83,22 +83,45 @@ def _kernel_specs():
     """(table key, kernel name, jit fn, signature, constexprs from a config, num_warps key)."""
     from longmoe.ops.kernels import ce_rows
     specs = []
-    for ent in (False, True):
-        specs.append(("linear_ce_rows", f"ce_row_stats{'+entropy' if ent else ''}",
-                      ce_rows.ce_row_stats_kernel,
-                      {"z_ptr": "*fp32", "stride_z": "i32", "labels_ptr": "*i64", "lse_ptr": "*fp32",
-                       "tgt_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "ignore_index": "i32",
-                       "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr"},
-                      lambda c, e=ent: {"BLOCK_V": c["BLOCK_V"], "WITH_ENTROPY": e}, "num_warps"))
+    def stats_sig(zt):
+        return {"z_ptr": f"*{zt}", "stride_z": "i32", "labels_ptr": "*i64", "lse_ptr": "*fp32",
+                "tgt_ptr": "*fp32", "ent_ptr": "*fp32", "arg_ptr": "*i64", "V": "i32",
+                "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr",
+                "WITH_ARGMAX": "constexpr"}
+
+    def grad_sig(zt, dt, fix=True):
+        return {"z_ptr": f"*{zt}", "stride_z": "i32", "dz_ptr": f"*{dt}", "stride_dz": "i32",
+                "labels_ptr": "*i64", "lse_ptr": "*fp32", "ez_ptr": "*fp32",
+                "w_lp_ptr": "*fp32", "w_ent_ptr": "*fp32", "w_lse_ptr": "*fp32",
+                **({"fix_col_ptr": "*i64", "fix_val_ptr": "*fp32"} if fix else {}), "V": "i32",
+                "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr",
+                "WITH_LSE": "constexpr", **({"WITH_FIX": "constexpr"} if fix else {})}
+
+    for key in ("linear_ce_rows", "linear_ce_rows_inplace"):  # both read fp32 logits
+        for ent in (False, True):
+            specs.append((key, f"ce_row_stats{'+entropy' if ent else ''}",
+                          ce_rows.ce_row_stats_kernel, stats_sig("fp32"),
+                          lambda c, e=ent: {"BLOCK_V": c["BLOCK_V"], "WITH_ENTROPY": e,
+                                            "WITH_ARGMAX": False}, "num_warps"))
     for dt in ("bf16", "fp16", "fp32"):
         specs.append(("linear_ce_rows", f"ce_row_grad[{dt}]+entropy+lse", ce_rows.ce_row_grad_kernel,
-                      {"z_ptr": "*fp32", "stride_z": "i32", "dz_ptr": f"*{dt}", "stride_dz": "i32",
-                       "labels_ptr": "*i64", "lse_ptr": "*fp32", "ez_ptr": "*fp32",
-                       "w_lp_ptr": "*fp32", "w_ent_ptr": "*fp32", "w_lse_ptr": "*fp32", "V": "i32",
-                       "ignore_index": "i32", "BLOCK_V": "constexpr", "WITH_ENTROPY": "constexpr",
-                       "WITH_LSE": "constexpr"},
-                      lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True, "WITH_LSE": True},
-                      "num_warps_grad"))
+                      grad_sig("fp32", dt),
+                      lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True,
+                                 "WITH_LSE": True, "WITH_FIX": False}, "num_warps_grad"))
+    for dt in ("bf16", "fp16"):  # the gradient over the fp32 logits' own bytes
+        specs.append(("linear_ce_rows_inplace", f"ce_row_grad_narrow[{dt}]+entropy+lse",
+                      ce_rows.ce_row_grad_narrow_kernel, grad_sig("fp32", dt, fix=False),
+                      lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True,
+                                 "WITH_LSE": True}, "num_warps_grad"))
+    for dt in ("bf16", "fp16"):  # low-precision logits, the gradient in place, exact fix-ups
+        specs.append(("linear_ce_rows_lowp", f"ce_row_stats[{dt}]+entropy+argmax",
+                      ce_rows.ce_row_stats_kernel, stats_sig(dt),
+                      lambda c: {"BLOCK_V": c["BLOCK_V"], "WITH_ENTROPY": True,
+                                 "WITH_ARGMAX": True}, "num_warps"))
+        specs.append(("linear_ce_rows_lowp", f"ce_row_grad[{dt}]+entropy+lse+fix",
+                      ce_rows.ce_row_grad_kernel, grad_sig(dt, dt),
+                      lambda c: {"BLOCK_V": c["BLOCK_V_GRAD"], "WITH_ENTROPY": True,
+                                 "WITH_LSE": True, "WITH_FIX": True}, "num_warps_grad"))
     from longmoe.ops.kernels import grouped_gemm as gg
     for dt in ("bf16", "fp16"):
         specs.append(("grouped_gemm", f"grouped_mm[{dt}]", gg.grouped_mm_kernel,
