@@ -20,7 +20,8 @@ What is modelled (and why):
              on the busiest rank): the rows saved for the expert FFN backward, and the all-to-all
              send/recv copies and their gradients, of which chunked EP keeps one chunk alive.
   logits     naive: fp32 [T, V/TP] logits and their gradient (plus fp32 copies of W and dW);
-             linear CE: one fp32 [C, V/TP] chunk, its bf16 gradient and the fp32 dW accumulator.
+             linear CE (the in-place layout, the runtime's default): one fp32 [C, V/TP] chunk
+             with its gradient written over it, dW and dH in the compute dtype.
   comm       FSDP2 all-gather/reduce-scatter buffers (current + prefetched unit), the LM head kept
              unsharded after forward, pipeline send/recv and CP key/value exchange buffers.
   margin     caching-allocator fragmentation, a fraction of the dynamic bytes.
@@ -78,7 +79,7 @@ class Workload:
     recompute: str = "full"         # none | selective | full
     sharding: str = "fsdp2"         # fsdp2 | dist_opt
     linear_ce: bool = True          # False: naive fp32 [T, V] logits
-    ce_chunk_tokens: int = 0        # 0: the runtime's default (a 2 GiB fp32 logits chunk)
+    ce_chunk_tokens: int = 0        # 0: the runtime's default (a 0.95 GiB fp32 logits chunk)
     ep_chunks: int = 0              # chunked EP; 0: longmoe.tuning.default_chunks(T)
     # With recompute full/selective: the last `keep_last` layers store their activations instead
     # (their backward runs first, so they are freed before any recomputed layer's working set).
@@ -302,9 +303,13 @@ def ep_chunks_for(w: Workload, tokens: int) -> int:
 def _ce_chunk(w: Workload, tokens: int, vocab_local: int) -> int:
     if w.ce_chunk_tokens:
         return min(w.ce_chunk_tokens, tokens)
-    # Same rule as longmoe.ops.linear_ce_chunks.default_chunk_tokens (not imported: that module needs
-    # torch, and the planner must answer in well under a second).
-    return max(1, min(tokens, 2 * GiB // (4 * vocab_local)))
+    # Same rule as longmoe.ops.linear_ce_chunks.engine_chunk_tokens for the default in-place
+    # layout (not imported: that module needs torch, and the planner must answer in well under a
+    # second): a 61 * 2^24-byte fp32 chunk, rounded down to a multiple of 128 tokens.
+    c = 61 * 2**24 // (4 * vocab_local)
+    if c >= 256:
+        c -= c % 128
+    return max(1, min(tokens, c))
 
 
 def estimate(cfg: ModelConfig, layout: Layout, w: Workload,
@@ -410,8 +415,10 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     t_head = w.seq_len * w.micro_batch // lay.cp           # TP gathers the tokens for the head
     if w.linear_ce:
         c = _ce_chunk(w, t_head, v_loc)
-        logits = v_loc * H * 4 + c * v_loc * 6 + t_head * H * 4
-        n["logits"] = f"linear CE: {c:,}-token fp32 chunk + bf16 grad + fp32 dW, fp32 dH"
+        # The gradient is written over the chunk; dW and dH are the op's outputs in the compute
+        # dtype (no fp32 accumulator): counted from the op's allocations (linear_ce_chunks.py).
+        logits = c * v_loc * 4 + v_loc * H * b + t_head * H * b
+        n["logits"] = f"linear CE: {c:,}-token fp32 chunk (gradient in place), dW and dH"
     else:
         # longmoe's naive path: fp32 copy of W, fp32 [T, V] logits and their gradient, fp32 dW.
         logits = t_head * v_loc * 8 + v_loc * H * 8 + t_head * H * 4
