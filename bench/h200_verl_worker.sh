@@ -15,4 +15,5 @@ python3 bench/verl_worker.py --config gpu_smoke --samples "${SAMPLES:-16}" --ste
     --cases "${CASES:-packed32k,grpo}" \
     --set model.num_layers=40 --set "model.layer_types=$TYPES" --set model.num_experts=32 \
     --set data.seq_len=32768 --set data.prompt_len=1024 --set data.row_multiple=1024 \
-    --set parallel.chunks=1 --set impl.linear_ce=auto --out "$OUT/verl_worker.json"
+    --set parallel.chunks=1 --set impl.linear_ce=auto --out "$OUT/verl_worker.json" \
+    ${PROFILE:+--profile "$OUT"}

@@ -206,6 +206,17 @@ def run_case(w, case: str, args, device) -> list[dict]:
             if device.type == "cuda":
                 res[a]["peak_gib"] = max(res[a]["peak_gib"],
                                          torch.cuda.max_memory_allocated(device) / 2**30)
+    if args.profile:  # one more log-prob pass per arm under the profiler: where the time goes
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        for a, (logprobs, _) in fns.items():
+            with profile(activities=acts) as prof:
+                timed(logprobs, device)
+            ka = prof.key_averages()
+            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            Path(args.profile, f"{case}_{a}_logprob_ops.txt").write_text(
+                ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n"
+                + ka.table(sort_by=sort, row_limit=25))
     for r in res.values():
         r["logprob_tok_s"] = tok / statistics.median(r["logprob_s"])
         r["update_tok_s"] = tok / statistics.median(r["update_s"])
@@ -221,6 +232,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed rounds per case")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", metavar="DIR",
+                   help="also profile one log-prob pass per arm and case: DIR/CASE_ARM_logprob_ops.txt")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
