@@ -3,8 +3,9 @@
 # the Qwen3.5-35B-A3B preset at 40 layers (30 Gated DeltaNet + 10 gated attention) with 32 experts
 # (one EP = 8 rank's share), one GPU, full recompute, FSDP2, linear CE, bf16:
 #   bench/h200_verl_worker.sh            -> OUT/verl_worker.json (+ .md)
-# Cases and arms (one process, interleaved): bench/verl_worker.py. SAMPLES (default 16): the GRPO batch's samples; STEPS
-# (default 2): timed passes after the untimed first. Needs verl and what it imports (the verl
+# Cases and arms (one process, interleaved): bench/verl_worker.py. SAMPLES (default 16): the GRPO
+# batch's samples; STEPS (default 3): timed rounds after the untimed first; PROFILE=1: op tables of
+# one log-prob pass per arm (OUT/CASE_ARM_logprob_ops.txt). Needs verl and what it imports (the verl
 # extra) on top of the GPU image.
 set -uo pipefail
 OUT=${OUT:-bench-out}
