@@ -11,6 +11,7 @@ import random
 import pytest
 
 from _rows import feed_rows
+from longmoe.errors import UserError
 
 FIELDS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
@@ -62,3 +63,37 @@ def test_jsonl_rows_are_pinned(tmp_path, overlong, step, want):
                 shuffle=True)
     batch, got = feed_rows(data, step, vocab=50, seed=3)
     assert (digest(batch), got.truncated, got.masked) == want
+
+
+def test_jsonl_rows_are_streamed(tmp_path):
+    # The rows way keeps an index, not the rows: a step reads its lines from the file, so a row
+    # rewritten in place after opening (same lengths) is trained as it now is, and one whose
+    # lengths changed is an error naming its line.
+    from longmoe.data.rows import FittedFile
+    p = tmp_path / "r.jsonl"
+    rows = [{"prompt": [1, 2], "response": [3, 4, 5], "advantage": 0.5} for _ in range(4)]
+    write = lambda: p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")  # noqa: E731
+    write()
+    data, other = FittedFile(p, 50, 8), FittedFile(p, 50, 8)
+    assert data.source.index_nbytes() == 20 * len(rows)
+    rows[0] = {"prompt": [9, 9], "response": [8, 8, 8], "advantage": 0.5}
+    write()
+    assert data.step_rows(0, 2, 0, 2, 0, False)[0].input_ids[0, :5].tolist() == [9, 9, 8, 8, 8]
+    rows[1] = {"prompt": [9], "response": [8, 8, 8], "advantage": 0.5}
+    write()
+    with pytest.raises(UserError, match=f"^{p}:2: row changed since the file was opened"):
+        other.step_rows(0, 2, 0, 2, 0, False)
+
+
+def test_jsonl_has_no_nan_in_any_way(tmp_path):
+    # An unchecked field holding NaN is refused when a file is opened, for the rows way and the
+    # token-budget way alike (Python's json would read it).
+    from longmoe.data.rows import FittedFile
+    from longmoe.data.sources import JsonlSource
+    from longmoe.data.validate import check_sample
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"prompt": [1], "response": [2, 3], "advantage": 1, "reward": NaN}\n')
+    for open_file in (lambda: FittedFile(p, 50, 8),
+                      lambda: JsonlSource(p, lambda row, where: check_sample(row, where, 50))):
+        with pytest.raises(UserError, match=f"^{p}:1: NaN is not valid JSON"):
+            open_file()
