@@ -27,6 +27,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from longmoe.data.sample import FIELDS, Sample
+from longmoe.data.validate import json_row
 from longmoe.errors import UserError
 
 Check = Callable[[dict, str], None]
@@ -111,17 +112,10 @@ class JsonlSource(_Indexed):
                 if not line.strip():
                     continue
                 where = f"{path}:{ln}"
-                constants: list[str] = []
-                try:   # Python's json reads NaN and Infinity; JSON has neither
-                    row = json.loads(line, parse_constant=lambda c: constants.append(c) or
-                                     float(c))
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise UserError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
-                p, r = _sizes(row, where)
-                check(row, where)
-                if constants:   # outside the fields `check` reads, which name their own
-                    raise UserError(f"{where}: {constants[0]} is not valid JSON (no NaN or "
-                                    f"Infinity)")
+                sizes = []
+                json_row(line, where, (lambda row: sizes.append(_sizes(row, where)),
+                                       lambda row: check(row, where)))
+                p, r = sizes[0]
                 offsets.append(start), lines.append(ln), plen.append(p), rlen.append(r)
         if not offsets:
             raise UserError(f"{path}: no rows")

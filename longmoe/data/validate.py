@@ -39,25 +39,35 @@ def _per_token(row: dict, key: str, n: int, where: str) -> list | None:
     return vals
 
 
-def parse_sample(line: str, where: str, vocab_size: int,
-                 require: dict[str, str] | None = None) -> dict:
-    """The row of one JSONL line, checked field by field."""
+def json_row(line, where: str, checks=()) -> object:
+    """One JSONL line parsed, then `checks` run on it (each `check(row)`), then a non-JSON
+    constant refused: Python's json reads NaN and Infinity, JSON has neither. Checking first
+    lets a checked field name its own error ("advantage: nan is not a finite ...")."""
     constants: list[str] = []
 
-    def constant(name: str) -> float:  # Python's json accepts NaN and Infinity; JSON does not
+    def constant(name: str) -> float:
         constants.append(name)
         return float(name)
 
     try:
         row = json.loads(line, parse_constant=constant)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise UserError(f"{where}: expected an object")
-    check_sample(row, where, vocab_size, require)
-    if constants:  # outside the fields check_sample reads, which name their own
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+    for check in checks:
+        check(row)
+    if constants:
         raise UserError(f"{where}: {constants[0]} is not valid JSON (no NaN or Infinity)")
     return row
+
+
+def parse_sample(line: str, where: str, vocab_size: int,
+                 require: dict[str, str] | None = None) -> dict:
+    """The row of one JSONL line, checked field by field."""
+    def checked(row):
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected an object")
+        check_sample(row, where, vocab_size, require)
+    return json_row(line, where, (checked,))
 
 
 def check_sample(row: dict, where: str, vocab_size: int,
