@@ -564,7 +564,7 @@ def test_fused_ppo_loss_equals_verl_ppo_loss(verl_env):
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
 
 
-def _cp_ranks(rank, world, backend, path, data, budget, ep=1):
+def _cp_ranks(rank, world, backend, path, data, budget, ep, ckpt):
     """One rank of CP 2 (x EP `ep`): the ranks of one CP group get their data rank's share of
     the batch (rank // 2 is the data rank) and the group's first rank hands the outputs back, as
     verl's dispatch and collect do for is_mp_src_rank_with_outputs."""
@@ -586,13 +586,23 @@ def _cp_ranks(rank, world, backend, path, data, budget, ep=1):
                          max_token_len_per_gpu=budget)
     out = w.infer_batch(nop)
     lp = None if out is None else no_padding_2_padding(tu.get(out, "log_probs"), nop)
-    batch = left_right_2_no_padding(td.clone())
-    tu.assign_non_tensor(batch, global_batch_size=n * dp, mini_batch_size=n * dp, epochs=1,
-                         seed=0, dataloader_kwargs={"shuffle": False}, calculate_entropy=False,
-                         temperature=1.0)
-    out = w.train_mini_batch(batch)
-    metrics = None if out is None else tu.get(out, "metrics")
-    return lp, metrics, e.trainer.step
+
+    def step(w):  # train_mini_batch pops its settings from the batch: a fresh one each call
+        batch = left_right_2_no_padding(td.clone())
+        tu.assign_non_tensor(batch, global_batch_size=n * dp, mini_batch_size=n * dp, epochs=1,
+                             seed=0, dataloader_kwargs={"shuffle": False},
+                             calculate_entropy=False, temperature=1.0)
+        out = w.train_mini_batch(batch)
+        return None if out is None else tu.get(out, "metrics")
+
+    metrics = step(w)
+    steps = e.trainer.step
+    w.save_checkpoint(ckpt)
+    after = step(w)
+    w2 = worker(path, "tiny", max_tokens=budget, extra=["parallel.cp=2", f"parallel.ep={ep}"])
+    w2.load_checkpoint(ckpt)
+    resumed = step(w2)
+    return lp, metrics, steps, (after, resumed)
 
 
 @pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -600,7 +610,8 @@ def test_gloo_ranks_cp2_equal_one_process(verl_env, ep):
     """CP 2 through verl's worker, on 2 gloo ranks (one data rank) and on 4 with EP 2 (two
     data ranks, the experts split over each CP rank's pair); each rank holds a zigzag half of
     every packed row: log-probs, and a fused ppo_loss step's loss, gradient norm and clip
-    statistics, equal one process's PolicyTrainer on the whole batch."""
+    statistics, equal one process's PolicyTrainer on the whole batch; a checkpoint saved and
+    loaded on every rank gives the same next step."""
     from longmoe.api import run_local
     pt, path = reference("tiny", verl_env)
     samples, td = ragged(pt.run.model.vocab_size, "right", n=4, seed=8)
@@ -609,19 +620,23 @@ def test_gloo_ranks_cp2_equal_one_process(verl_env, ep):
     want = pt.forward_backward(with_old)
     want_step = pt.optim_step()
     world = 2 * ep
-    got = run_local(_cp_ranks, world, str(path), {k: td[k] for k in td.keys()}, 24, ep)
+    got = run_local(_cp_ranks, world, str(path), {k: td[k] for k in td.keys()}, 24, ep,
+                    str(verl_env / f"ckpt-cp2-ep{ep}"))
     assert all(g[0] is None and g[1] is None for g in got[1::2])
     assert all(g[2] == 1 for g in got)
     lp = torch.cat([g[0] for g in got[::2]])
     for i, s in enumerate(samples):
         R = s.response.numel()
         assert torch.allclose(lp[i, :R], want_lp[i], atol=1e-5, rtol=0), i
-    for _, m, _ in got[::2]:  # verl averages the loss over its data ranks: the whole batch's
+    for _, m, _, (after, resumed) in got[::2]:  # verl averages the loss over its data ranks
         assert m["loss"][0] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
         # CP reduces the gradient in another order (zigzag halves, then the all-reduce):
         # measured 2.3e-5 relative; PolicyTrainer's own CP 2 test allows 1e-3 (test_api, TOL).
         assert m["grad_norm"][0] == pytest.approx(want_step["grad_norm"], rel=1e-4)
         assert sum(m["actor/pg_clipfrac"]) == 0 and max(map(abs, m["actor/ppo_kl"])) < 1e-6
+        # a checkpoint round trip on every rank leaves the next step unchanged
+        assert resumed["loss"] == after["loss"] and resumed["grad_norm"] == after["grad_norm"]
+        assert after["grad_norm"][0] != m["grad_norm"][0]
 
 
 def test_cp_without_the_fused_loss_is_refused(verl_env):
