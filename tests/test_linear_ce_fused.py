@@ -121,17 +121,19 @@ def test_triton_kernels_under_interpreter(primitive, impl):
     assert res["ok"] and res["candidate"] == impl, res
 
 
+@pytest.mark.slow  # 16 s on 2 cores; the bf16 split path also runs in the memory test below
 @pytest.mark.skipif(_has_gpu(), reason="GPU machines run the compiled kernels instead")
 def test_inplace_kernels_under_interpreter_bf16():
-    # bf16 inputs take the kernels the fp32 paired run does not: the gradient written over the
-    # fp32 logits' bytes (triton_inplace), bf16 logits with the arg-max and fix-ups (triton_lowp).
+    # bf16 inputs take the kernels the fp32 paired run does not: a bf16 gradient beside fp32
+    # logits (triton), written over their bytes (triton_inplace), bf16 logits with the arg-max
+    # and fix-ups (triton_lowp).
     code = (
         "import json, sys, torch\n"
         "from longmoe.paired.cases import linear_ce_case, policy_loss_case\n"
         "from longmoe.rl.objective import Objective\n"
         "s = int(sys.argv[1]); out = {}\n"
         "kw = dict(T=37, H=24, V=301, dtype=torch.bfloat16, chunk_tokens=8)\n"
-        "for impl in ('triton_inplace', 'triton_lowp'):\n"
+        "for impl in ('triton', 'triton_inplace', 'triton_lowp'):\n"
         "    out[impl] = linear_ce_case(impl, s, **kw).failures()\n"
         "out['fused_inplace'] = policy_loss_case('fused_inplace', s, **kw).failures()\n"
         "wide = Objective(clip_low=0.99, clip_high=50.0, entropy_coef=0.01)\n"
@@ -142,6 +144,42 @@ def test_inplace_kernels_under_interpreter_bf16():
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert not any(res.values()), (seed, res)
+
+
+@pytest.mark.skipif(_has_gpu(), reason="GPU machines measure the allocator instead "
+                                       "(test_inplace_layout_holds_one_logits_chunk_on_gpu)")
+def test_inplace_layouts_drop_the_gradient_chunk_and_fp32_dw():
+    # Tensor bytes (paired.memtrack) of the Triton paths under the interpreter, CE and the policy
+    # loss with entropy: the in-place layout holds neither the bf16 [C, V] gradient chunk nor the
+    # fp32 [V, H] accumulator of the split one, and lowp holds half its chunk.
+    code = (
+        "import json, torch\n"
+        "from longmoe.ops import linear_cross_entropy, linear_policy_loss\n"
+        "from longmoe.paired.memtrack import TensorBytes\n"
+        "from longmoe.rl.objective import Objective, TokenInputs\n"
+        "T, H, V, C = 64, 8, 1024, 32\n"
+        "h = torch.randn(T, H).bfloat16().requires_grad_()\n"
+        "w = torch.randn(V, H).bfloat16().requires_grad_()\n"
+        "y = torch.randint(0, V, (T,))\n"
+        "obj = Objective(entropy_coef=0.01)\n"
+        "x = TokenInputs(torch.randn(T), obj.token_weights(y != -100, T))\n"
+        "out = {}\n"
+        "for ce, pl in (('triton', 'fused'), ('triton_inplace', 'fused_inplace'),\n"
+        "               ('triton_lowp', 'fused_lowp')):\n"
+        "    with TensorBytes() as a:\n"
+        "        linear_cross_entropy(h, w, y, impl=ce, chunk_tokens=C).backward()\n"
+        "    with TensorBytes() as b:\n"
+        "        linear_policy_loss(h, w, y, obj, x, impl=pl, chunk_tokens=C)[0].backward()\n"
+        "    out[ce] = [a.peak, b.peak]\n"
+        "print(json.dumps(out))\n")
+    out = run_interpreted(["-c", code])
+    assert out.returncode == 0, out.stderr[-2000:]
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    C, V, H = 32, 1024, 8
+    for k in range(2):  # CE, policy loss
+        split, inplace, lowp = (peaks[n][k] for n in ("triton", "triton_inplace", "triton_lowp"))
+        assert inplace + C * V * 2 + V * H * 4 <= split, peaks
+        assert lowp + C * V * 2 <= inplace, peaks
 
 
 # One target in the fast tier (the quickest to compile on CPU), the others in the slow tier.

@@ -141,8 +141,8 @@ class TritonRows:
     def grad(cls, z_CV, dz_CV, labels_C, lse_C, ez_C, w_lp_C, w_ent_C, ignore_index: int,
              w_lse_C=None, fix=None):
         from longmoe.ops.kernels.ce_rows import launch_grad, launch_grad_narrow
-        if dz_CV.dtype != z_CV.dtype:  # a narrower gradient over the logits' own bytes
-            assert fix is None and dz_CV.data_ptr() == z_CV.data_ptr()
+        if cls.layout == "inplace" and dz_CV.dtype != z_CV.dtype:
+            # a narrower gradient over the logits' own bytes (chunk_buffers)
             launch_grad_narrow(z_CV, dz_CV, labels_C, lse_C.float().contiguous(),
                                None if ez_C is None else ez_C.float().contiguous(),
                                w_lp_C.float().contiguous(),
