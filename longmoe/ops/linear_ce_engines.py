@@ -11,7 +11,7 @@ Each comes in three layouts (`layout`):
   lowp     logits in the input dtype, the gradient written over them, dW as for inplace. Rows
            are reduced in fp32; the target logit and each row's largest logit are recomputed
            in fp32 from hidden and weight and used in the statistics and the gradient
-           (`exact_fixup`). The other logits keep their rounding (up to |z| * 2^-9): measured
+           (`exact_fixup`). The other logits keep their rounding (up to |z| * 2^-8): measured
            log-prob errors 5e-4 to 7e-4 with |z| up to 20, 0.02 with |z| up to 34 (0.08 without
            the fix-up); docs/primitives/linear_ce.md.
 
