@@ -8,7 +8,9 @@ host platform with verl's PlatformRegistry and starts a one-rank gloo group (wha
 launcher does on a GPU node); verl's own files are not touched.
 """
 
+import json
 import os
+import re
 import sys
 from functools import partial
 
@@ -152,14 +154,16 @@ def reference(preset, tmp, lr=1e-2):
     return pt, path
 
 
-def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=(), fused=True):
+def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=(), fused=True,
+           optim=None):
     """verl's TrainingWorker over the longmoe engine, as ActorRolloutRefWorker.init_model
-    builds its actor, with verl's ppo_loss as the loss; `extra`: more longmoe overrides."""
+    builds its actor, with verl's ppo_loss as the loss; `extra`: more longmoe overrides;
+    `optim`: verl's optimizer config (default: AdamW at `lr`, constant)."""
     actor = LongMoEActorConfig(
         strategy="longmoe", rollout_n=1, ppo_mini_batch_size=mini_batch, use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=max_tokens, ppo_epochs=epochs, clip_ratio=0.2,
         loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
-        optim=OptimizerConfig(lr=lr, weight_decay=0.01, betas=(0.9, 0.95), clip_grad=1.0),
+        optim=optim or OptimizerConfig(lr=lr, weight_decay=0.01, betas=(0.9, 0.95), clip_grad=1.0),
         longmoe=LongMoEEngineConfig(strategy="longmoe", overrides=overrides(preset) + list(extra),
                                     dtype="float32", fused_ppo_loss=fused))
     model = HFModelConfig(path=str(path), load_tokenizer=False)
@@ -302,6 +306,77 @@ def test_mini_batches_times_epochs_optimizer_steps(verl_env):
     out = tu.get(w.train_mini_batch(batch), "metrics")
     assert w.engine.trainer.step == 3 * 2
     assert len(out["grad_norm"]) == 6
+
+
+def _fsdp_optim(**kw):
+    from verl.workers.config import FSDPOptimizerConfig
+    return FSDPOptimizerConfig(**{"lr": 1e-2, "weight_decay": 0.01, "betas": (0.9, 0.95),
+                                  "clip_grad": 1.0, **kw})
+
+
+def test_schedule_is_verls_once_an_iteration(verl_env):
+    """verl's cosine schedule with warmup (actor.optim, verl's fsdp group), stepped once per
+    train_mini_batch (an iteration of 2 mini-batches, so 2 optimizer steps at one rate): the
+    rates applied are those of verl's own scheduler stepped per iteration, verl's `lr` metric
+    is the next one, and a checkpoint keeps the schedule's position."""
+    from verl.utils.torch_functional import get_cosine_schedule_with_warmup
+    pt, path = reference("tiny", verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=11)
+    td, _ = _train_inputs(pt, td, samples)
+    optim = _fsdp_optim(lr_scheduler_type="cosine", lr_warmup_steps=2, total_training_steps=6,
+                        min_lr_ratio=0.1)
+    holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    ref = get_cosine_schedule_with_warmup(holder, 2, 6, min_lr_ratio=0.1)
+    want = []
+    for _ in range(4):
+        want.append(ref.get_last_lr()[0])
+        holder.step()
+        ref.step()
+
+    def run(w, iterations):
+        applied, metrics = [], []
+        opt = w.engine.trainer.optim
+        step = opt.step
+
+        def recorded(*a, **k):
+            applied.append(opt.param_groups[0]["lr"])
+            return step(*a, **k)
+        opt.step = recorded
+        for _ in range(iterations):
+            batch = left_right_2_no_padding(td.clone())
+            tu.assign_non_tensor(batch, global_batch_size=2, mini_batch_size=2, epochs=1,
+                                 seed=0, dataloader_kwargs={"shuffle": False},
+                                 calculate_entropy=False, temperature=1.0)
+            metrics.append(tu.get(w.train_mini_batch(batch), "metrics"))
+        return applied, metrics
+
+    w = worker(path, "tiny", optim=optim, mini_batch=2)
+    applied, metrics = run(w, 2)
+    assert applied == pytest.approx([want[0]] * 2 + [want[1]] * 2, rel=1e-12)
+    assert applied[0] == 0.0  # verl's warmup starts from a zero rate
+    assert [m["lr"][0] for m in metrics] == pytest.approx(want[1:3], rel=1e-12)
+    ck = verl_env / "ckpt-schedule"
+    w.save_checkpoint(str(ck))
+    assert json.loads((ck / "verl_lr_schedule.json").read_text())["lr_scheduler_steps"] == 2
+    after, m_after = run(w, 1)
+    w2 = worker(path, "tiny", optim=optim, mini_batch=2)
+    w2.load_checkpoint(str(ck))
+    resumed, m_resumed = run(w2, 1)
+    assert after == resumed == pytest.approx([want[2]] * 2, rel=1e-12)
+    assert m_after[0]["grad_norm"] == m_resumed[0]["grad_norm"]
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"optimizer": "AdamW8bit", "optimizer_impl": "bitsandbytes.optim"}, "actor.optim.optimizer"),
+    ({"override_optimizer_config": {"eps": 1e-6}}, "actor.optim.override_optimizer_config"),
+    ({"_warm": True}, "optim.warmup_steps"),
+])
+def test_optimizer_settings_the_engine_would_not_honour_are_refused(verl_env, kw, field):
+    from longmoe.errors import ConfigError
+    pt, path = reference("tiny", verl_env)
+    extra = ["optim.warmup_steps=3"] if kw.pop("_warm", False) else []
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        worker(path, "tiny", optim=_fsdp_optim(**kw), extra=extra)
 
 
 def test_per_tensor_param_matches_rollout_weights(verl_env):

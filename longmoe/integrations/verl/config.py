@@ -6,7 +6,8 @@ over `fsdp_config`.
 The model, parallel layout, precision, objective settings and data settings are longmoe's: a run
 config (`run_config`, a YAML path or a recipe name) plus dotted `overrides`, exactly as
 `PolicyTrainer.from_config` takes them. From verl's side the engine takes the optimizer
-(lr, betas, weight_decay, clip_grad, lr_warmup_steps) and, with `model_from_path`, the model
+(lr, betas, weight_decay, clip_grad) and its learning-rate schedule (schedule.py), and, with
+`model_from_path`, the model
 architecture and weights of `actor_rollout_ref.model.path` (a Hugging Face directory).
 """
 
@@ -73,9 +74,8 @@ def optimizer_overrides(optim) -> list[str]:
     clip = getattr(optim, "clip_grad", None)
     if clip is not None:
         out.append(f"optim.grad_clip={float(clip)!r}")
-    warm = getattr(optim, "lr_warmup_steps", None)
-    if warm is not None and warm > 0:
-        out.append(f"optim.warmup_steps={int(warm)}")
+    # The schedule (warmup, constant or cosine) is verl's, in iterations: the engine applies it
+    # (schedule.py); longmoe's own optim.warmup_steps stays 0.
     return out
 
 

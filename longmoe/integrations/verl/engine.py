@@ -23,6 +23,11 @@ log-probs are gathered into whole rows (forward only) and training takes the fus
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -39,6 +44,7 @@ from longmoe.integrations.verl.batch import (check_temperature, sequences, to_ne
                                              to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
+from longmoe.integrations.verl.schedule import RateSchedule, check_optimizer
 from longmoe.train.feed import min_row, pad_multiple
 from longmoe.train.setup import loss_scale, set_cp_row_length
 from longmoe.train.step import local_micro_batch
@@ -46,6 +52,7 @@ from longmoe.train.step import local_micro_batch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 BUCKET_BYTES = 512 << 20
+SCHEDULE_FILE = "verl_lr_schedule.json"  # beside the step-N directories of a save
 
 
 class _ModeCtx(BaseEngineCtx):
@@ -71,7 +78,14 @@ class LongMoEEngine(BaseEngine):
         self.last_step: dict | None = None
         self.fused_last = False  # whether the last training pass ran verl's loss fused
         # Built here, host only: verl asks for the data-parallel rank before initialize.
+        check_optimizer(optimizer_config)
         self.run = run_config(engine_config, model_config, optimizer_config)
+        if optimizer_config is not None and self.run.optim.warmup_steps:
+            raise ConfigError("optim.warmup_steps", "under verl the rate follows actor.optim "
+                                                    "(lr_warmup_steps, lr_scheduler_type), "
+                                                    "counted in iterations; leave longmoe's "
+                                                    "own warmup at 0")
+        self.schedule: RateSchedule | None = None
         self.cp = self.run.parallel.cp
         if self.cp > 1 and not engine_config.fused_ppo_loss and not engine_config.forward_only:
             # verl's own loss reads whole rows of log-probs; under CP each rank holds a zigzag
@@ -84,6 +98,8 @@ class LongMoEEngine(BaseEngine):
 
     def initialize(self):
         self.trainer = PolicyTrainer(self.run)
+        if self.optimizer_config is not None:
+            self.schedule = RateSchedule(self.optimizer_config, self.run.optim.lr)
         if self.cp > 1:  # ranks of one CP index across data ranks; every rank makes every group
             world, rank = dist.get_world_size(), dist.get_rank()
             for c in range(self.cp):
@@ -249,14 +265,23 @@ class LongMoEEngine(BaseEngine):
             self.trainer.discard_pending()
 
     def optimizer_step(self):
-        """PolicyTrainer.optim_step (a non-finite step applies nothing); the gradient norm."""
+        """PolicyTrainer.optim_step at the rate of verl's schedule for this iteration (a
+        non-finite step applies nothing); the gradient norm."""
+        if self.schedule is not None:
+            for g in self.trainer.optim.param_groups:
+                g["lr"] = self.schedule.rate
         self.last_step = self.trainer.optim_step()
+        if self.schedule is not None:
+            self.last_step["lr"] = self.schedule.rate
         return float(self.last_step["grad_norm"])
 
     def lr_scheduler_step(self):
-        """longmoe's schedule advances with each optimizer step (optim.warmup_steps), not with
-        verl's per-iteration call; the rate the next step applies."""
-        return self.trainer.lr
+        """verl's once-an-iteration call: advance its schedule (schedule.py); the rate the next
+        optimizer steps apply. Without verl's optimizer config, longmoe's own schedule (it
+        advances with each optimizer step)."""
+        if self.schedule is None:
+            return self.trainer.lr
+        return self.schedule.step()
 
     # ---- weights and checkpoints ---------------------------------------------------------------
 
@@ -273,14 +298,35 @@ class LongMoEEngine(BaseEngine):
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
                         **kwargs):
-        """PolicyTrainer.save(local_path): local_path/step-N (N: optimizer steps taken)."""
+        """PolicyTrainer.save(local_path): local_path/step-N (N: optimizer steps taken), and the
+        position of verl's schedule beside it (local_path/SCHEDULE_FILE)."""
         if hdfs_path:
             raise UserError("longmoe engine: save_checkpoint: hdfs_path is not supported; copy "
                             "local_path yourself")
-        return self.trainer.save(local_path)
+        out = self.trainer.save(local_path)
+        if self.schedule is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            path = Path(local_path) / SCHEDULE_FILE
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"lr_scheduler_steps": self.schedule.calls,
+                                       "optimizer_steps": self.trainer.step}))
+            os.replace(tmp, path)
+        return out
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
+        """PolicyTrainer.load(local_path), and verl's schedule at the position saved with it (a
+        checkpoint without one, from PolicyTrainer.save, starts the schedule at its first
+        iteration: a warning says so)."""
         if hdfs_path:
             raise UserError("longmoe engine: load_checkpoint: hdfs_path is not supported")
         self.optimizer_zero_grad()
-        return self.trainer.load(local_path)
+        out = self.trainer.load(local_path)
+        if self.schedule is not None:
+            path = Path(local_path) / SCHEDULE_FILE
+            if path.is_file():
+                calls = int(json.loads(path.read_text())["lr_scheduler_steps"])
+                self.schedule = RateSchedule(self.optimizer_config, self.run.optim.lr)
+                self.schedule.advance_to(calls)
+            else:
+                warnings.warn(f"longmoe engine: {path} is missing; verl's learning-rate "
+                              f"schedule starts at its first iteration")
+        return out
