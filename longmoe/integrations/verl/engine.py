@@ -238,6 +238,14 @@ class LongMoEEngine(BaseEngine):
         if pt.layout.cp > 1:  # forward only (see forward_backward_batch): whole rows back
             lp = whole_rows(lp, row, pt.layout)
             ent = whole_rows(ent, row, pt.layout) if entropy else None
+        if forward_only and loss_function is None:
+            # Inference: the row comes to the host once here, so verl's reordering and
+            # collection (postprocess_batch_func, the worker's .cpu()) handle host tensors and
+            # launch no device work of their own.
+            model_output = {"log_probs": to_nested(lp[0].cpu(), offsets)}
+            if entropy:
+                model_output["entropy"] = to_nested(ent[0].cpu(), offsets)
+            return None, aux, {"model_output": model_output, "loss": 0.0, "metrics": {}}
         model_output = {"log_probs": to_nested(lp[0], offsets)}
         if entropy:
             model_output["entropy"] = to_nested(ent[0], offsets)
@@ -245,9 +253,7 @@ class LongMoEEngine(BaseEngine):
             mb_dev = mb.to(pt.device) if pt.device.type != "cpu" else mb
             loss, metrics = loss_function(model_output=model_output, data=mb_dev, dp_group=group)
         else:
-            if not forward_only:
-                raise UserError("longmoe engine: a training pass needs a loss_function")
-            loss, metrics = torch.zeros((), device=pt.device), {}
+            raise UserError("longmoe engine: a training pass needs a loss_function")
         out = {"model_output": detach_tree(model_output), "loss": float(loss.detach().item()),
                "metrics": metrics}
         return loss, aux, out
