@@ -109,9 +109,11 @@ def _has_gpu() -> bool:
 
 @pytest.mark.skipif(_has_gpu(), reason="GPU machines run the compiled kernels instead "
                                        "(test_triton_paths_on_gpu); the interpreter check is for CPU CI")
-@pytest.mark.parametrize("primitive,impl", [("linear_ce", "triton"), ("policy_loss", "fused"),
-                                            ("linear_ce", "triton_inplace"),
-                                            ("policy_loss", "fused_inplace")])
+# The default (in-place) layout in the fast tier, the split layout in the slow tier.
+@pytest.mark.parametrize("primitive,impl", [
+    pytest.param("linear_ce", "triton", marks=pytest.mark.slow),
+    pytest.param("policy_loss", "fused", marks=pytest.mark.slow),
+    ("linear_ce", "triton_inplace"), ("policy_loss", "fused_inplace")])
 def test_triton_kernels_under_interpreter(primitive, impl):
     # The Triton row kernels run on CPU tensors through Triton's interpreter.
     out = run_interpreted(["-m", "longmoe", "paired", primitive, "--impl", impl, "--json",
