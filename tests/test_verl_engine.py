@@ -60,6 +60,10 @@ class _HostDevice:
         return 0
 
     @staticmethod
+    def memory_reserved(*_):
+        return 0
+
+    @staticmethod
     def empty_cache():
         pass
 
@@ -450,6 +454,71 @@ def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
     assert ref.strategy == "longmoe" and ref.engine.forward_only
     assert ref.engine.overrides == ["parallel.ep=2"]
     assert cfg.critic.strategy == "fsdp"
+
+
+def _actor_rollout_ref(path, preset, role, budget=64, mini_batch=4):
+    """verl's ActorRolloutRefWorker for `role` ("actor" or "ref": no rollout engine), from verl's
+    ppo_trainer config with model_engine=longmoe, as verl's trainer builds it."""
+    from hydra import compose, initialize_config_module
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    longmoe = ",".join(f"'{o}'" for o in overrides(preset))
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[
+            "hydra.searchpath=[pkg://longmoe.integrations.verl.configs]", "model_engine=longmoe",
+            f"actor_rollout_ref.model.path={path}", "+actor_rollout_ref.model.load_tokenizer=false",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+            f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
+            "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.optim.lr=0.01",
+            "actor_rollout_ref.actor.optim.weight_decay=0.01",
+            "actor_rollout_ref.actor.optim.betas=[0.9,0.95]", "actor_rollout_ref.actor.optim.clip_grad=1.0",
+            "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0",
+            "actor_rollout_ref.actor.shuffle=false",
+            f"actor_rollout_ref.actor.longmoe.overrides=[{longmoe}]"])
+    w = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=role)
+    w.init_model()
+    return w
+
+
+def test_actor_rollout_ref_worker_compute_log_prob_and_update_actor(verl_env):
+    """verl's ActorRolloutRefWorker itself (roles "actor" and "ref", built from verl's hydra
+    config; the rollout engine is left out), called as verl's trainer calls it: its
+    compute_log_prob and compute_ref_log_prob equal PolicyTrainer.compute_logprobs, and
+    update_actor's first on-policy step equals forward_backward + optim_step."""
+    pt, path = reference("tiny", verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=12)
+    want_lp = pt.compute_logprobs(samples)
+    actor = _actor_rollout_ref(path, "tiny", "actor")
+    ref = _actor_rollout_ref(path, "tiny", "ref")
+    assert isinstance(actor.actor.engine, LongMoEEngine) and isinstance(ref.ref.engine, LongMoEEngine)
+    batch = left_right_2_no_padding(td.clone())  # the trainer's _compute_old_log_prob
+    tu.assign_non_tensor(batch, calculate_entropy=True, compute_loss=False)
+    out = actor.compute_log_prob(batch)
+    lp = no_padding_2_padding(tu.get(out, "log_probs"), batch)
+    rbatch = left_right_2_no_padding(td.clone())  # _compute_ref_log_prob
+    tu.assign_non_tensor(rbatch, calculate_entropy=False, compute_loss=False)
+    rlp = no_padding_2_padding(tu.get(ref.compute_ref_log_prob(rbatch), "log_probs"), rbatch)
+    for i, s in enumerate(samples):
+        R = s.response.numel()
+        assert torch.allclose(lp[i, :R], want_lp[i], atol=1e-5, rtol=0), i
+        assert torch.allclose(rlp[i, :R], want_lp[i], atol=1e-5, rtol=0), i
+    td, with_old = _train_inputs(pt, td, samples)
+    want = pt.forward_backward(with_old)
+    want_step = pt.optim_step()
+    batch = left_right_2_no_padding(td.clone())  # the trainer's _update_actor
+    tu.assign_non_tensor(batch, temperature=1.0, calculate_entropy=False,
+                         distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=4, mini_batch_size=4, epochs=1, seed=42,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    m = tu.get(actor.update_actor(batch), "metrics")
+    assert actor.actor.engine.trainer.step == 1 and actor.actor.engine.fused_last
+    assert m["actor/ppo_kl"] == [pytest.approx(0.0, abs=1e-6)] * len(m["actor/ppo_kl"])
+    assert m["loss"][0] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert m["grad_norm"][0] == pytest.approx(want_step["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "qwen3-moe"])
