@@ -1,5 +1,5 @@
-"""verl drives longmoe: unmodified verl (its TrainingWorker, the calls its actor worker's
-compute_log_prob / update_actor make, its ppo_loss, padding and micro-batching helpers) runs a
+"""verl drives longmoe: unmodified verl (its TrainingWorker and ActorRolloutRefWorker, the calls
+its trainer makes on them, its ppo_loss, padding and micro-batching helpers) runs a
 tiny random longmoe model through longmoe.integrations.verl, against PolicyTrainer called
 directly on the same samples.
 
