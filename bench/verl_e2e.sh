@@ -7,8 +7,8 @@
 # model directory MODEL (a Qwen3-MoE / Qwen3.5-MoE checkpoint longmoe reads: model.hf_config),
 # and verl's parquet data (TRAIN, VAL; verl's examples/data_preprocess/gsm8k.py writes them).
 # This script has not been run: no machine it was written on has vLLM or SGLang. Its overrides
-# compose with verl 0.9.1's ppo_trainer config into LongMoEActorConfig (checked with hydra's
-# compose API on CPU); tests/test_verl_engine.py composes the longmoe lines.
+# compose with verl 0.9.1's ppo_trainer config into LongMoEActorConfig and pass the engine's
+# checks (tests/test_verl_engine.py reads them from this file and composes them on CPU).
 #
 #   MODEL=/models/Qwen3.5-35B-A3B TRAIN=~/data/gsm8k/train.parquet VAL=~/data/gsm8k/test.parquet \
 #       LONGMOE_SET="['parallel.ep=8']" bash bench/verl_e2e.sh

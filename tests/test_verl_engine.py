@@ -484,6 +484,42 @@ def _actor_rollout_ref(path, preset, role, budget=64, mini_batch=4):
     return w
 
 
+def _e2e_overrides():
+    """bench/verl_e2e.sh's hydra overrides for main_ppo, its shell variables set to examples."""
+    import shlex
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "bench" / "verl_e2e.sh").read_text()
+    call = text[text.index("python3 -m verl.trainer.main_ppo"):text.index("2>&1 | tee")]
+    env = {"MODEL": "/models/m", "TRAIN": "/data/train.parquet", "VAL": "/data/val.parquet",
+           "GPUS": "8", "ROLLOUT": "vllm", "STEPS": "20", "OUT": "/out",
+           "LONGMOE_SET": "['parallel.ep=8']"}
+    for k, v in env.items():
+        call = call.replace("${%s}" % k, v).replace("$" + k, v)
+    return shlex.split(call.replace("\\\n", " "))[3:]
+
+
+def test_e2e_script_overrides_compose_into_the_engine_configs(verl_env):
+    """bench/verl_e2e.sh's overrides compose with verl's ppo_trainer config into the longmoe actor
+    and reference configs that ActorRolloutRefWorker.init_model builds, and pass the checks the
+    engine makes before any rank starts (optimizer and schedule, dynamic batch sizes agree)."""
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from longmoe.integrations.verl.schedule import check_optimizer
+    ov = _e2e_overrides()
+    assert "model_engine=longmoe" in ov and any(o.startswith("actor_rollout_ref.rollout.name")
+                                                for o in ov)
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=ov)
+    arr = cfg.actor_rollout_ref
+    actor = omega_conf_to_dataclass(arr.actor)
+    assert isinstance(actor, LongMoEActorConfig) and actor.engine.overrides == ["parallel.ep=8"]
+    assert arr.actor.use_dynamic_bsz == arr.rollout.log_prob_use_dynamic_bsz  # init_model asserts
+    check_optimizer(actor.optim)
+    assert actor.loss_agg_mode == "token-mean" and not actor.use_kl_loss  # the fused path's terms
+    assert cfg.actor_rollout_ref.rollout.temperature == 1.0
+
+
 def test_actor_rollout_ref_worker_compute_log_prob_and_update_actor(verl_env):
     """verl's ActorRolloutRefWorker itself (roles "actor" and "ref", built from verl's hydra
     config; the rollout engine is left out), called as verl's trainer calls it: its
