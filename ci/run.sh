@@ -156,7 +156,7 @@ tier_cpu() {
     verl_tests
 }
 
-# verl drives longmoe (tests/test_verl_engine.py, unmodified verl on CPU). verl 0.9.1 pins
+# verl drives longmoe (tests/test_verl_*.py, unmodified verl on CPU). verl 0.9.1 pins
 # transformers below 5.11 while the dev extra needs >= 5.25, so the verl extra goes into a venv
 # layered over this environment (--system-site-packages): there only verl and what it pins
 # differ (creating it and installing the extra took 1 min 44 s on two cores, pip cache warm).
@@ -169,7 +169,8 @@ verl_tests() {
         end
     fi
     begin "tests: verl integration"
-    run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py -m "slow or not slow"
+    run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py tests/test_verl_ranks.py \
+        -m "slow or not slow"
     end
 }
 
