@@ -3,6 +3,7 @@ writes (names, shapes, values), on 2 gloo ranks with EP 2 + FSDP2 and on one ran
 sends only its share; buckets and the memory held stay within the bound; the receiving helper
 names any mismatch."""
 
+import math
 import warnings
 
 import pytest
@@ -24,17 +25,25 @@ def _run_dict(preset, num_layers, ep, fsdp):
 
 def _largest_gathered(model, layout, senders):
     """Bytes of the largest tensors one gather step holds: a full parameter, or under "rank0"
-    on rank 0 one layer's stack of every expert beside its own share of them."""
+    on rank 0 one layer's stack of every expert beside its own share of them; plus the largest
+    local shard, which the all-gather copies (padded to an even split) and the collective may
+    hold until its work object is released, a moment after the gather returns."""
+    from torch.distributed.tensor import DTensor
     from longmoe.model.moe import GroupedExperts
     expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts)
                   for p in m.parameters()}
-    most = 0
+    most = shard = 0
     for p in model.parameters():
         n = p.numel() * p.element_size()  # a DTensor's numel is its full (gathered) size
         if id(p) in expert_ids and senders == "rank0":
             n *= layout.ep + 1
         most = max(most, n)
-    return most
+        if isinstance(p, DTensor) and p.dim():
+            ways = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements)
+                             if pl.is_shard())
+            rows = -(-p.shape[0] // ways)  # the padded shard of an uneven dim-0 split
+            shard = max(shard, rows * math.prod(p.shape[1:]) * p.element_size())
+    return most + shard
 
 
 def _drain(model, cfg, layout, dtype, senders):

@@ -2,9 +2,13 @@
 
 Accelerators report their allocator's peak through the backend. On CPU there is no allocator
 counter, so `TensorBytes` (a TorchDispatchMode) adds up the storages that ops create and drops
-them when their tensor dies. It sees every tensor made inside the mode, autograd's saved tensors
-included; a storage kept alive only through a view of a dead base is counted as freed early, so
-the figure is a slight underestimate, never an overestimate of what the ops allocated.
+each one when the last tensor made inside the mode that uses it dies (views count as users, and
+storages are told apart by their storage object, not their address, so a storage is never freed
+early and a new one is never mistaken for an old one). A storage whose memory is released while
+its tensors live (`untyped_storage().resize_(0)`, as FSDP does) stays counted until they die. It sees
+every tensor made inside the mode, autograd's saved tensors included. Views of storages that
+existed before the mode are not counted; a storage kept alive only by a tensor made outside any
+dispatch is counted as freed early, so the figure never overestimates what the ops allocated.
 """
 
 from __future__ import annotations
@@ -22,27 +26,47 @@ class TensorBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._owned: dict[int, int] = {}
+        self._owned: dict[int, list[int]] = {}  # storage object -> [bytes, live tensors on it]
 
-    def _free(self, key: int):
-        self.live -= self._owned.pop(key, 0)
+    def _release(self, key: int):
+        entry = self._owned.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._owned[key]
+            self.live -= entry[0]
+
+    @staticmethod
+    def _key(t):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return None
+        try:
+            storage = t.untyped_storage()
+            if storage.data_ptr() == 0:
+                return None
+            return storage._cdata, storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        before = {k[0] for a in tree_leaves((args, kwargs)) if (k := self._key(a)) is not None}
+        out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            k = self._key(t)
+            if k is None:
                 continue
-            try:
-                key = t.untyped_storage().data_ptr()
-                nbytes = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if key == 0 or key in self._owned:
-                continue
-            self._owned[key] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, key)
+            key, nbytes = k
+            entry = self._owned.get(key)
+            if entry is None:
+                if key in before:  # a view or in-place result on memory from before the mode
+                    continue
+                entry = self._owned[key] = [nbytes, 0]
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            entry[1] += 1
+            weakref.finalize(t, self._release, key)
         return out
 
 

@@ -21,8 +21,9 @@ Memory: one parameter is gathered at a time and dropped as soon as its tensors a
 and a full bucket is handed over before the next tensor is made, so on top of the model each
 rank holds at most one bucket (bucket_bytes, or one tensor larger than that alone in its bucket)
 plus one gathered parameter (under "rank0", rank 0 holds every expert of one layer and, while
-receiving them, its own share once more) — if the caller drops each bucket before asking for
-the next.
+receiving them, its own share once more) and the all-gather's copy of one local shard, which
+torch's collective may keep until its work object is released — if the caller drops each bucket
+before asking for the next. A rank with nothing to send drops each gathered tensor at once.
 """
 
 from __future__ import annotations
@@ -92,17 +93,16 @@ def _buckets(model, cfg, layout, bucket_bytes, dtype, senders):
     bucket, size = [], 0
     for name, full, experts in gathered_parameters(model):
         if experts is None:
-            first = 0
-            if layout.rank != 0:
-                continue
+            first = 0 if layout.rank == 0 else None
         elif senders == "rank0":
             full, first = _gather_experts(full, layout), 0
             if full is None:
-                continue
-        else:
-            first = experts.first_expert
-            if layout.rank >= layout.ep:  # same experts as rank (rank % ep), which sends them
-                continue
+                first = None
+        else:  # a rank outside rank 0's EP group has the experts of rank (rank % ep), which sends
+            first = experts.first_expert if layout.rank < layout.ep else None
+        if first is None:  # nothing to send: drop the gathered tensor before the next gather
+            del full
+            continue
         views = hf_tensors(name, full, first, cfg)
         del full
         for key in list(views):
