@@ -5,8 +5,9 @@
 #   bench/h200_verl_worker.sh            -> OUT/verl_worker.json (+ .md)
 # Cases and arms (one process, interleaved): bench/verl_worker.py. SAMPLES (default 16): the GRPO
 # batch's samples; STEPS (default 3): timed rounds after the untimed first; PROFILE=1: op tables of
-# one log-prob pass per arm (OUT/CASE_ARM_logprob_ops.txt). Needs verl and what it imports (the verl
-# extra) on top of the GPU image.
+# one log-prob pass per arm (OUT/CASE_ARM_logprob_ops.txt); OFFLOAD=1: one engine.to offload and
+# reload round trip after the cases (memory freed, seconds, state unchanged). Needs verl and what
+# it imports (the verl extra) on top of the GPU image.
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -17,4 +18,4 @@ python3 bench/verl_worker.py --config gpu_smoke --samples "${SAMPLES:-16}" --ste
     --set model.num_layers=40 --set "model.layer_types=$TYPES" --set model.num_experts=32 \
     --set data.seq_len=32768 --set data.prompt_len=1024 --set data.row_multiple=1024 \
     --set parallel.chunks=1 --set impl.linear_ce=auto --out "$OUT/verl_worker.json" \
-    ${PROFILE:+--profile "$OUT"}
+    ${PROFILE:+--profile "$OUT"} ${OFFLOAD:+--offload}

@@ -223,6 +223,45 @@ def run_case(w, case: str, args, device) -> list[dict]:
     return list(res.values())
 
 
+def _host_state(pt) -> list[torch.Tensor]:
+    """Host copies of every parameter shard and AdamW moment, in a fixed order."""
+    from torch.distributed.tensor import DTensor
+    loc = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    out = [loc(p).detach().cpu().clone() for p in pt.model.parameters()]
+    for st in pt.optim.state.values():
+        out += [loc(v).detach().cpu().clone() for k, v in st.items()
+                if torch.is_tensor(v) and k != "step"]
+    return out
+
+
+def offload_round(w, args, device) -> dict:
+    """verl's manual offload and reload (engine.to, what its colocated rollout does around
+    generation) after the timed cases: the device memory the trainer gives up, the seconds each
+    way, and whether the state and the log-probs after the round trip are bit for bit those
+    before it."""
+    pt = w.engine.trainer
+    ss = samples("packed32k", args.samples, args.seed + 7, pt.run.model.vocab_size)
+    lp_before = pt.compute_logprobs(ss)
+    state = _host_state(pt)
+    sync(device)
+    gib = lambda b: b / 2**30  # noqa: E731
+    out = {"allocated_gib": gib(torch.cuda.memory_allocated(device)),
+           "reserved_gib": gib(torch.cuda.memory_reserved(device)),
+           "state_gib": gib(sum(t.numel() * t.element_size() for t in state))}
+    out["offload_s"], _ = timed(lambda: w.engine.to("cpu", model=True, optimizer=True), device)
+    out["offloaded_allocated_gib"] = gib(torch.cuda.memory_allocated(device))
+    out["offloaded_reserved_gib"] = gib(torch.cuda.memory_reserved(device))
+    out["reload_s"], _ = timed(lambda: w.engine.to("cuda", model=True, optimizer=True), device)
+    after = _host_state(pt)
+    out["state_equal"] = len(after) == len(state) and all(torch.equal(a, b)
+                                                          for a, b in zip(state, after))
+    del state, after
+    lp_after = pt.compute_logprobs(ss)
+    out["logprobs_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(lp_before, lp_after))
+    out["tokens"] = sum(len(s) for s in ss)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="gpu_smoke")
@@ -232,6 +271,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed rounds per case")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--offload", action="store_true",
+                   help="after the cases, one offload/reload round trip (engine.to): memory "
+                        "freed, seconds, state and log-probs unchanged")
     p.add_argument("--profile", metavar="DIR",
                    help="also profile one log-prob pass per arm and case: DIR/CASE_ARM_logprob_ops.txt")
     args = p.parse_args()
@@ -260,6 +302,10 @@ def main() -> None:
         # after every case: a cut-off run keeps what it measured
         report = report_of(args, runs)
         report["build_s"] = build_s
+        write_json_and_table(report, args.out, table)
+    if args.offload and device.type == "cuda":
+        report["offload"] = offload_round(w, args, device)
+        print(json.dumps(report["offload"]), flush=True)
         write_json_and_table(report, args.out, table)
     dist.destroy_process_group()
 
@@ -297,6 +343,15 @@ def table(report: dict) -> str:
     ratio = "".join(f"\n{c}: verl over direct: update tok/s {x['update_tok_s']:.3f}, log-prob "
                     f"tok/s {x['logprob_tok_s']:.3f}, peak {x['peak'] or 0:.3f}"
                     for c, x in report["verl_over_direct"].items())
+    off = report.get("offload")
+    if off:
+        ratio += (f"\n\noffload (engine.to, parameters and AdamW moments, "
+                  f"{off['state_gib']:.1f} GiB): device allocated {off['allocated_gib']:.1f} -> "
+                  f"{off['offloaded_allocated_gib']:.2f} GiB (reserved "
+                  f"{off['offloaded_reserved_gib']:.2f} GiB), {off['offload_s']:.1f} s to the "
+                  f"host, {off['reload_s']:.1f} s back; state bit for bit: "
+                  f"{off['state_equal']}; log-probs max abs diff after the round trip: "
+                  f"{off['logprobs_max_abs_diff']:.3g}")
     return head + "\n".join(rows) + "\n" + ratio
 
 

@@ -6,6 +6,7 @@ same object from one run config and makes the same calls in the same order).
     info = pt.optim_step()                  # clip, AdamW, schedule: one optimizer step
     lp = pt.compute_logprobs(samples)       # forward only, per sample, in input order
     pt.save(d); pt.load(d); pt.export_hf(d); pt.named_weights_for_rollout(bucket_bytes)
+    pt.offload(); pt.reload()               # free the device for a colocated rollout engine
 
 Normalisation: each forward_backward call's loss is normalised by the trained tokens (and, for
 the seq-mean aggregation modes, the samples) of that call's whole global list, so its gradient
@@ -115,6 +116,7 @@ class PolicyTrainer:
             self.crossover = 1e300  # no full attention: cost is tokens alone
         self.step = 0
         self.bad_steps = 0
+        self.params_on_host = self.optimizer_on_host = False  # offload / reload
         self._dirs = {}       # checkpoint directory -> its DirLock (longmoe.checkpoint), from a save
         self._reset_pending()
 
@@ -134,6 +136,25 @@ class PolicyTrainer:
             # function of the step index. torch warns when no optimizer step came first.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
             self.sched.step()
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move the parameters (gradients, if any, with them) and/or AdamW's moments to
+        page-locked host memory and release the device's cached blocks (longmoe.api.offload).
+        Every call that computes with them refuses to run until reload."""
+        from longmoe.api.offload import move
+        move(self, "host", params, optimizer)
+
+    def reload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move what offload moved back to the trainer's device; values are bit for bit those
+        offloaded."""
+        from longmoe.api.offload import move
+        move(self, "device", params, optimizer)
+
+    def require_device(self, what: str, optimizer: bool = False) -> None:
+        if self.params_on_host or (optimizer and self.optimizer_on_host):
+            part = "parameters" if self.params_on_host else "optimizer state"
+            raise UserError(f"{what}: the policy's {part} are offloaded to the host; call "
+                            f"reload() first")
 
     def _reset_pending(self):
         self._calls = 0
@@ -157,6 +178,7 @@ class PolicyTrainer:
         """Host checks and the call's plan, then the agreement collective (checks.agree): the
         same verdict on every rank before any collective of the model. `extra`: checks of the
         call's other arguments; `after`: of the arguments against the plan. Returns the plan."""
+        self.require_device(what)
         error = plan = None
         try:
             for check in extra:
@@ -274,6 +296,7 @@ class PolicyTrainer:
         if self._calls == 0:
             raise UserError("optim_step: no forward_backward since the last optim_step: there "
                             "is no gradient to apply")
+        self.require_device("optim_step", optimizer=True)
         model, o = self.model, self.run.optim
         finish_grads(model, self.layout, self.run.parallel.fsdp)
         if self.master:
@@ -366,6 +389,7 @@ class PolicyTrainer:
         """longmoe.rl.weights.named_weights_for_rollout of this trainer's model (every rank
         drains the iterator)."""
         from longmoe.rl.weights import named_weights_for_rollout
+        self.require_device("named_weights_for_rollout")
         return named_weights_for_rollout(self.model, self.run, self.layout, bucket_bytes, dtype,
                                          senders)
 
@@ -382,6 +406,7 @@ class PolicyTrainer:
         forward_backward calls are not saved. From its first save into DIR on, this trainer
         holds DIR's lock (the one `longmoe train --checkpoint-dir` takes) until it is closed or
         the process ends: another run's save into DIR is refused. Returns the step directory."""
+        self.require_device("save", optimizer=True)
         self._finite_or_stop("save")
         self._own(directory)
         return str(save_checkpoint(directory, self.step, self.model, self.optim, self.backend,
@@ -423,6 +448,7 @@ class PolicyTrainer:
         if self._calls:
             raise UserError("load: forward_backward gradients are pending; call optim_step "
                             "before loading (loading would drop them)")
+        self.require_device("load", optimizer=True)
         point = resume_point(directory, self.run, self._identity(), allow_batch_change=True,
                              full=True)
         if point is None:
@@ -442,6 +468,7 @@ class PolicyTrainer:
     def export_hf(self, directory, dtype: torch.dtype | None = None) -> str:
         """A Hugging Face checkpoint directory (longmoe.model.hf.export_hf; every rank calls
         it). dtype: default bf16 on accelerators, fp32 on CPU."""
+        self.require_device("export_hf")
         self._finite_or_stop("export_hf")
         from longmoe.model.hf import export_hf
         if dtype is None:

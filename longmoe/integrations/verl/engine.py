@@ -126,20 +126,30 @@ class LongMoEEngine(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        """Offload to the host ("cpu") or reload to the trainer's device (verl's device name)."""
+        """Offload to the host ("cpu") or reload to the trainer's device (verl's device name):
+        PolicyTrainer.offload / reload (longmoe.api.offload). Gradients always travel with
+        their parameters (torch keeps a gradient on its parameter's device), so `grad` adds
+        nothing to `model`."""
         super().to(device, model=model, optimizer=optimizer, grad=grad)
+        if self.trainer.device.type == "cpu":  # verl's host platform: already on the host
+            return
+        if device == "cpu":
+            self.trainer.offload(params=model, optimizer=optimizer)
+        else:
+            self.trainer.reload(params=model, optimizer=optimizer)
+
+    def _on_device(self):
+        """Reload what is offloaded (for a save, a load or a weight hand-off, as verl's FSDP
+        engine does); returns what to offload again afterwards."""
         pt = self.trainer
-        target = torch.device("cpu") if device == "cpu" else pt.device
-        if model:
-            pt.model.to(target)
-            if pt.master is not None:  # fp32 masters beside low-precision parameters
-                for p in pt.master.parameters():
-                    p.data = p.data.to(target)
-        if optimizer:
-            for state in pt.optim.state.values():
-                for k, v in state.items():
-                    if torch.is_tensor(v) and k != "step":
-                        state[k] = v.to(target)
+        back = {"params": pt.params_on_host, "optimizer": pt.optimizer_on_host}
+        if any(back.values()):
+            pt.reload(**back)
+        return back
+
+    def _restore(self, back):
+        if any(back.values()):
+            self.trainer.offload(**back)
 
     # ---- data-parallel queries -----------------------------------------------------------------
 
@@ -164,6 +174,7 @@ class LongMoEEngine(BaseEngine):
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         pt, layout = self.trainer, self.trainer.layout
+        pt.require_device("longmoe engine: forward_backward_batch")
         group = self.get_data_parallel_group()
         mask = data["loss_mask"]
         n = (mask.values() if mask.is_nested else mask).sum().to(torch.float64).to(pt.device)
@@ -295,6 +306,8 @@ class LongMoEEngine(BaseEngine):
         """(generator of (Hugging Face name, full tensor), None): rank 0 yields every tensor
         (longmoe.rl.weights, senders="rank0"); every rank must drain it (gathers inside)."""
         dtype = DTYPES.get(str(self.engine_config.dtype))
+        if self.trainer.params_on_host:  # verl offloads again after the hand-off
+            self.trainer.reload(params=True, optimizer=False)
         buckets = self.trainer.named_weights_for_rollout(BUCKET_BYTES, dtype, senders="rank0")
 
         def tensors():
@@ -309,7 +322,11 @@ class LongMoEEngine(BaseEngine):
         if hdfs_path:
             raise UserError("longmoe engine: save_checkpoint: hdfs_path is not supported; copy "
                             "local_path yourself")
-        out = self.trainer.save(local_path)
+        back = self._on_device()
+        try:
+            out = self.trainer.save(local_path)
+        finally:
+            self._restore(back)
         if self.schedule is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             path = Path(local_path) / SCHEDULE_FILE
             tmp = path.with_suffix(".tmp")
@@ -325,7 +342,11 @@ class LongMoEEngine(BaseEngine):
         if hdfs_path:
             raise UserError("longmoe engine: load_checkpoint: hdfs_path is not supported")
         self.optimizer_zero_grad()
-        out = self.trainer.load(local_path)
+        back = self._on_device()
+        try:
+            out = self.trainer.load(local_path)
+        finally:
+            self._restore(back)
         if self.schedule is not None:
             path = Path(local_path) / SCHEDULE_FILE
             if path.is_file():
