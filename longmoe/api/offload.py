@@ -10,7 +10,9 @@ The parameter objects stay the same (FSDP2 swaps a sharded parameter's storage i
 parameters get new `.data`), so the optimizer's state and any reference a caller holds still
 point at them. Host copies are made without blocking into page-locked memory and the move ends
 with one synchronisation, so the host tensors are readable and a reload copies asynchronously;
-after moving to the host the device's cached blocks are released for the other engine.
+after moving to the host the device's cached blocks are released for the other engine. Under
+FSDP2's own CPU offload (parallel.cpu_offload) the shards and moments live on the host already
+and nothing moves.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def _move_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def move(pt, where: str, params: bool = True, optimizer: bool = True) -> None:
     if where not in WHERE:
         raise UserError(f"move: where must be one of {', '.join(WHERE)}, got {where!r}")
+    par = pt.run.parallel
+    if par.fsdp and par.cpu_offload and pt.layout.dp_mesh is not None:
+        return  # FSDP2's CPU offload keeps the shards and AdamW's moments on the host already
     target = torch.device("cpu") if where == "host" else pt.device
     with torch.no_grad():
         if params:
