@@ -13,6 +13,10 @@ DIR/latest names the newest published step directory; names of the form `*.tmp-*
 published (a save in progress, or one that died). One exception: while a save replaces a step
 directory of the same step, the old copy waits under step-N.tmp-old-<nonce> and `latest` names
 it, so a kill between the two renames leaves `latest` on a complete copy.
+
+Removing a published step directory (--overwrite's first save, retention) renames it to
+step-N.tmp-removed-<nonce> before deleting anything in it: a kill leaves that debris, which the
+next lock holder removes, and never a published directory with files missing.
 """
 
 from __future__ import annotations
@@ -175,10 +179,7 @@ def holds_checkpoints(root: Path) -> str | None:
 def remove_stale_tmp(root: Path) -> list[str]:
     """Leftovers of saves that died (`*.tmp-*`). Only for the lock holder: nobody else writes."""
     removed = []
-    try:
-        named = (root / POINTER).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        named = None
+    named = _named(root)
     for stale in sorted(root.glob("*.tmp-*")):
         if stale.name == named:  # a step's old copy that a killed re-save left named
             continue
@@ -190,19 +191,56 @@ def remove_stale_tmp(root: Path) -> list[str]:
     return removed
 
 
+def _named(root: Path) -> str | None:
+    """What `latest` holds, unchecked (None when it cannot be read)."""
+    try:
+        return (root / POINTER).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def remove_step_dir(root: Path, name: str):
+    """Renamed to a tmp name first (made durable before anything inside goes), so a kill
+    mid-removal leaves debris the next lock holder removes, never a published directory with
+    files missing."""
+    doomed = root / f"{name}.tmp-removed-{uuid.uuid4().hex[:8]}"
+    os.replace(root / name, doomed)
+    fsync_dir(root)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def remove_except(root: Path, keep: Path) -> list[str]:
-    """Every published step directory but `keep` (an --overwrite run's first checkpoint).
-    Each is renamed to a tmp name first, so a kill mid-removal leaves debris, never a published
-    directory with files missing."""
+    """Every published step directory but `keep` (an --overwrite run's first checkpoint), each
+    by remove_step_dir."""
     removed = []
     for step in published_steps(root):
         path = root / step_name(step)
         if path.name == keep.name:
             continue
-        doomed = root / f"{path.name}.tmp-removed-{uuid.uuid4().hex[:8]}"
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_step_dir(root, path.name)
         removed.append(path.name)
+    return removed
+
+
+def remove_oldest(root: Path, keep: int, written: Path) -> list[str]:
+    """Retention, by the lock holder right after `written` was published: the published step
+    directories beyond the newest `keep` by step number go (oldest first, each by
+    remove_step_dir), except `written`, the one `latest` names, and any newer than `written`:
+    a run's own saves only go forward, so a newer one was left by another run (a resume reports
+    it), and is not this run's to drop. Returns the names removed."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    m = _STEP.fullmatch(written.name)
+    if m is None:
+        raise ValueError(f"{written} is not a published step directory")
+    spared, newest = {written.name, _named(root)}, int(m.group(1))
+    removed = []
+    for step in published_steps(root)[:-keep]:
+        name = step_name(step)
+        if step >= newest or name in spared:
+            continue
+        remove_step_dir(root, name)
+        removed.append(name)
     return removed
 
 

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from longmoe.checkpoint.directory import fsync_dir, remove_except, step_name, write_pointer
+from longmoe.checkpoint.directory import (fsync_dir, remove_except, remove_oldest, step_name,
+                                          write_pointer)
 from longmoe.checkpoint.manifest import META, config_view, sha256_file, write_manifest
 from longmoe.checkpoint.safe import rng_name, save_rng
 from longmoe.checkpoint.state import checkpoint_state
 
-__all__ = ["save", "remove_earlier"]
+__all__ = ["save", "remove_earlier", "keep_newest"]
 
 
 def _rank() -> int:
@@ -95,7 +96,30 @@ def save(ckpt_dir: str | Path, step: int, model, optim, backend, run, identity: 
 def remove_earlier(ckpt_dir: str | Path, keep: Path) -> list[str]:
     """--overwrite, after the run's first checkpoint is published and named by `latest`: the
     step directories of earlier runs go (rank 0 removes, every rank returns the names)."""
-    removed = [remove_except(Path(ckpt_dir), keep) if _rank() == 0 else None]
+    return _on_rank0(remove_except, Path(ckpt_dir), keep)
+
+
+def keep_newest(ckpt_dir: str | Path, keep: int, written: Path) -> list[str]:
+    """Retention (train.keep_checkpoints, PolicyTrainer.save(keep=)), after `written` is
+    published and named by `latest`: the step directories beyond the newest `keep` go
+    (directory.remove_oldest says which are spared; rank 0 removes, every rank returns the
+    names)."""
+    return _on_rank0(remove_oldest, Path(ckpt_dir), keep, written)
+
+
+def _on_rank0(remove, *args) -> list[str]:
+    """remove(*args) on rank 0, its result (or its failure: no rank waits on one that raised)
+    on every rank."""
+    out, error = [None], None
+    if _rank() == 0:
+        try:
+            out = [remove(*args)]
+        except Exception as e:
+            error, out = e, [f"{type(e).__name__}: {e}"]
     if dist.is_initialized():
-        dist.broadcast_object_list(removed, src=0)
-    return removed[0]
+        dist.broadcast_object_list(out, src=0)
+    if error is not None:
+        raise error
+    if isinstance(out[0], str):
+        raise RuntimeError(f"removing checkpoints on rank 0 failed: {out[0]}")
+    return out[0]
