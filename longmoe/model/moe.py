@@ -59,10 +59,11 @@ class GroupedExperts(nn.Module):
         self.rows_impl = "auto"  # SwiGLU's row kernels (ops/moe_rows.py)
 
     def forward(self, x_MH, rows_per_expert, w_A=None, offs=None):
-        """x_MH grouped by expert with `rows_per_expert` rows each; or, for expert parallelism,
-        the layer's tokens with a ChunkPipeline that dispatches them (and combine weights w_A).
+        """x_MH grouped by expert with `rows_per_expert` rows each (a host list, or None with
+        only `offs`, each expert's end row on the device); or, for expert parallelism, the
+        layer's tokens with a ChunkPipeline that dispatches them (and combine weights w_A).
         Either way the call goes through this module, so FSDP's hooks gather the weights."""
-        if not isinstance(rows_per_expert, list):
+        if rows_per_expert is not None and not isinstance(rows_per_expert, list):
             return rows_per_expert.run(x_MH, w_A, self.w_in, self.w_out, self.impl)
         h_MF2 = grouped_mm(x_MH, self.w_in, rows_per_expert, offs, impl=self.impl)
         a_MF = SwiGLU.apply(h_MF2, self.rows_impl)

@@ -50,6 +50,7 @@ def _triton_check(x_MK, w_GKN, sizes):
 def _triton_grouped(x_MK, w_GKN, sizes, offs=None):
     from longmoe.backends import active_backend
     from longmoe.ops.kernels.grouped_gemm import GroupedMM
+    sizes = host_sizes(offs) if sizes is None else sizes
     # Few rows per expert (fine-grained MoE, short chunks) wants smaller M tiles.
     bucket = "m<=256" if sum(sizes) <= 256 * max(1, len(sizes)) else None
     return GroupedMM.apply(x_MK, w_GKN, list(sizes), active_backend().kernel_config("grouped_gemm", bucket))
@@ -57,6 +58,7 @@ def _triton_grouped(x_MK, w_GKN, sizes, offs=None):
 
 @GROUPED_MM.register("reference", priority=0, reference=True)
 def _reference(x_MK, w_GKN, sizes, offs=None):
+    sizes = host_sizes(offs) if sizes is None else sizes
     outs, s = [], 0
     for g, n in enumerate(sizes):
         if n:
@@ -70,8 +72,18 @@ def _reference(x_MK, w_GKN, sizes, offs=None):
     return torch.cat(outs)
 
 
-def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, sizes: list[int],
+def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, sizes: list[int] | None,
                offs: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """`sizes`: rows of each group (a host list); or None with `offs` alone, the int32 end row of
+    each group on the device, whose last entry must be x's row count (it is not read back to
+    check): the torch implementation then runs without a host synchronisation, the others read
+    the sizes from `offs`."""
+    if sizes is None:
+        if offs is None or offs.shape != (w_GKN.shape[0],):
+            raise ValueError(f"grouped_mm: without sizes, offs must hold one end row per group "
+                             f"({w_GKN.shape[0]}), got "
+                             f"{None if offs is None else tuple(offs.shape)}")
+        return GROUPED_MM.select(impl, x_MK, w_GKN, sizes).fn(x_MK, w_GKN, sizes, offs)
     if sum(sizes) != x_MK.shape[0] or len(sizes) != w_GKN.shape[0]:
         raise ValueError(f"grouped_mm: sizes (sum {sum(sizes)}, {len(sizes)} groups) do not match "
                          f"x{tuple(x_MK.shape)} and w{tuple(w_GKN.shape)}")
@@ -79,6 +91,11 @@ def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, sizes: list[int],
 
 
 # ---- weight gradient without autograd (for schedules that order dgrad and wgrad themselves) ----
+
+def host_sizes(offs: torch.Tensor) -> list[int]:
+    """Rows of each group from the device's end rows (one host read)."""
+    return torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+
 
 def _offs(sizes, device):
     return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)

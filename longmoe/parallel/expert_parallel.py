@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from longmoe.ops.moe_rows import Combine, DispatchRows
+from longmoe.parallel.local_routes import local_routes
 from longmoe.parallel.moe_pipeline import ChunkPipeline
 # Re-exported: the route plan is part of this module's interface for the model and benchmarks.
 from longmoe.parallel.routing import (CHUNK_BY, RoutePlan, check_chunking, check_expert_index,  # noqa: F401
@@ -70,11 +71,10 @@ class ExpertDispatcher:
         which with expert parallelism runs while the last chunk's combine is in flight."""
         T, K = idx_TK.shape
         if self.ep_size == 1 and not self.pipeline:  # all experts here: one grouped GEMM pass over every token
-            plan = plan_routes(idx_TK, self.num_experts, 1)
-            inv = plan.inv_A
-            x_AH = dispatch_rows(x_TH, plan.order_A, inv, K, self.rows_impl)
-            y_AH = experts(x_AH, plan.expert_rows[0], offs=plan.offs[0])
-            y = combine_permuted(y_AH, plan.order_A, w_TK, inv, self.rows_impl)
+            r = local_routes(idx_TK, self.num_experts)  # no host synchronisation (local_routes.py)
+            x_AH = dispatch_rows(x_TH, r.order_A, r.inv_A, K, self.rows_impl)
+            y_AH = experts(x_AH, None, offs=r.offs_E)
+            y = combine_permuted(y_AH, r.order_A, w_TK, r.inv_A, self.rows_impl)
             return y if fill is None else y + fill()
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group, self.chunk_by)
         pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams, self.rows_impl,
