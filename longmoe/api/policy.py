@@ -40,6 +40,7 @@ from longmoe.parallel.mesh import build_layout, validate_layout
 from longmoe.rl.logprobs import compute_logprobs as forward_logprobs
 from longmoe.train.config import RunConfig, load_run_config
 from longmoe.train.feed import StepData, check_budget_settings
+from longmoe.train.optim import LocalShardAdamW
 from longmoe.train.precision import MasterWeights
 from longmoe.train.setup import (all_finite, build_model, clip_grad_norm, finish_grads,
                                  set_cp_row_length, torch_dtype)
@@ -105,8 +106,9 @@ class PolicyTrainer:
         self.optim_impl = o.impl if o.impl != "auto" else (
             "foreach" if self.backend.device_type == "cpu" else "fused")
         params = self.master.parameters() if self.master else self.model.parameters()
-        self.optim = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps,
-                                       weight_decay=o.weight_decay, **KERNEL[self.optim_impl])
+        # torch's AdamW, stepped on DTensors' local shards (longmoe/train/optim.py)
+        self.optim = LocalShardAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps,
+                                     weight_decay=o.weight_decay, **KERNEL[self.optim_impl])
         warm = o.warmup_steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.optim, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
