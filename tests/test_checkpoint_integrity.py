@@ -389,7 +389,8 @@ def test_config_hash_covers_what_is_trained(tmp_path):
     from longmoe.train.config import load_run_config
     base = load_run_config("cpu_demo")
     same = load_run_config("cpu_demo", ["train.steps=99", "train.nproc=4", "data.batch_size=2",
-                                        "parallel.ep=1", "train.checkpoint_every=3"])
+                                        "parallel.ep=1", "train.checkpoint_every=3",
+                                        "train.keep_checkpoints=2"])
     other = load_run_config("cpu_demo", ["optim.lr=0.5"])
     assert config_hash(base) == config_hash(same) != config_hash(other)
     # data.batch_size is the global batch: the same at any world size or CP.

@@ -33,6 +33,7 @@ from longmoe.checkpoint.directory import claim, remove_stale_tmp
 from longmoe.checkpoint.load import load as load_checkpoint
 from longmoe.checkpoint.load import resume_point
 from longmoe.checkpoint.manifest import run_identity
+from longmoe.checkpoint.save import keep_newest
 from longmoe.checkpoint.save import save as save_checkpoint
 from longmoe.errors import UserError
 from longmoe.model.flops import balance_crossover
@@ -402,17 +403,24 @@ class PolicyTrainer:
         if not all_finite(self.model.parameters(), self.layout, self.device):
             raise TrainingStopped(f"{what}: the parameters are not finite; nothing was written")
 
-    def save(self, directory) -> str:
+    def save(self, directory, keep: int | None = None) -> str:
         """A DCP checkpoint of weights, AdamW state and generator states at DIR/step-N (N =
         self.step), published atomically (longmoe.checkpoint.save). Gradients of pending
         forward_backward calls are not saved. From its first save into DIR on, this trainer
         holds DIR's lock (the one `longmoe train --checkpoint-dir` takes) until it is closed or
-        the process ends: another run's save into DIR is refused. Returns the step directory."""
+        the process ends: another run's save into DIR is refused. `keep`: after the publish,
+        only the newest `keep` step directories of DIR remain (longmoe.checkpoint.save.
+        keep_newest; None keeps all). Returns the step directory."""
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise UserError(f"save: keep must be an int >= 1 or None (keep all), got {keep!r}")
         self.require_device("save", optimizer=True)
         self._finite_or_stop("save")
         self._own(directory)
-        return str(save_checkpoint(directory, self.step, self.model, self.optim, self.backend,
-                                   self.run, self._identity()))
+        path = save_checkpoint(directory, self.step, self.model, self.optim, self.backend,
+                               self.run, self._identity())
+        if keep is not None:
+            keep_newest(directory, keep, path)
+        return str(path)
 
     def _own(self, directory) -> None:
         """Rank 0 claims DIR's lock on the first save into it (and, as the directory's only
@@ -437,12 +445,14 @@ class PolicyTrainer:
         if error is not None:
             raise error
 
-    def close(self) -> None:
+    def close(self, directory=None) -> None:
         """Give up the checkpoint directories' locks this trainer holds (also done when the
-        process ends)."""
-        for lock in self._dirs.values():
-            lock.release()
-        self._dirs.clear()
+        process ends); `directory`: that one's alone (nothing if it holds none)."""
+        keys = list(self._dirs) if directory is None else [os.path.realpath(directory)]
+        for key in keys:
+            lock = self._dirs.pop(key, None)
+            if lock is not None:
+                lock.release()
 
     def load(self, directory) -> str:
         """Load the checkpoint DIR/latest names, after verifying every file against its manifest

@@ -54,7 +54,8 @@ def config_view(run) -> dict:
     """The part of the run config that says what is trained, as JSON gives it back. Left out:
     `parallel` and `impl` (how it is computed; world, EP and CP are recorded on their own),
     `data.batch_size` (it enters as the global batch), and train fields that only say how long,
-    where, or what to write besides (steps, nproc, device, checkpoint_every, init_hf, export_hf)."""
+    where, or what to write besides (steps, nproc, device, checkpoint_every, keep_checkpoints,
+    init_hf, export_hf)."""
     d = run.to_dict()
     view = {"model": d["model"], "data": {k: v for k, v in d["data"].items() if k != "batch_size"},
             "loss": d["loss"], "optim": d["optim"], "train": {"seed": d["train"]["seed"]}}

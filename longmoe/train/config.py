@@ -314,6 +314,8 @@ class TrainConfig:
     nproc: int = 1
     device: str = "auto"            # auto | cpu | cuda | rocm (a backend name)
     checkpoint_every: int = 0       # 0: only at the end when a checkpoint dir is given
+    # After each published save, keep the newest this many step directories (0: keep all).
+    keep_checkpoints: int = 0
     # Steps with a non-finite loss or gradient norm are skipped (no update); this many in a row
     # stop the run (exit code 3) with the last good checkpoint kept as `latest`.
     max_bad_steps: int = 3
@@ -331,6 +333,10 @@ class TrainConfig:
         if self.checkpoint_every < 0:
             raise ConfigError("train.checkpoint_every", f"must be >= 0 (0: only at the end), "
                                                         f"got {self.checkpoint_every}")
+        k = self.keep_checkpoints
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError("train.keep_checkpoints", f"must be an integer >= 0 (0: keep all), "
+                                                        f"got {k!r}")
         if self.max_bad_steps < 1:
             raise ConfigError("train.max_bad_steps", f"must be >= 1, got {self.max_bad_steps}")
         if self.device not in ("auto", "cpu", "cuda", "rocm"):

@@ -26,7 +26,7 @@ from longmoe.backends import active_backend, get_backend
 from longmoe.backends.base import Backend
 from longmoe.checkpoint.load import latest, resume_point
 from longmoe.checkpoint.manifest import run_identity
-from longmoe.checkpoint.save import remove_earlier
+from longmoe.checkpoint.save import keep_newest, remove_earlier
 from longmoe.checkpoint.save import save as save_checkpoint
 from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
@@ -177,6 +177,12 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                 removed, replaced = remove_earlier(opts.checkpoint_dir, path), True
                 if removed:
                     progress.info(f"--overwrite: removed the earlier {', '.join(removed)}")
+            # After --overwrite's removal: until this run's first publish, nothing goes.
+            if run.train.keep_checkpoints:
+                removed = keep_newest(opts.checkpoint_dir, run.train.keep_checkpoints, path)
+                if removed:
+                    progress.info(f"train.keep_checkpoints={run.train.keep_checkpoints}: "
+                                  f"removed {', '.join(removed)}")
     if run.train.export_hf:
         if not all_finite(model.parameters(), layout, device):
             raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
