@@ -42,8 +42,16 @@ source, are skipped. Each chunk gathers its tokens straight into the expert-inpu
 expert outputs and dX rows stay where its GEMMs wrote them, and the combines read them there
 (gather_sum_parts: one kernel over up to four chunks' buffers). On an H200 at 16K tokens the
 transfers and gathers were 8 full passes over the rows per layer step (+28% at C = 1), and
-copying each chunk's rows into one buffer cost 0.5 ms at C = 2. Each in-chunk weight gradient's
-slice copy (below) runs on the idle comm stream, beside the next chunk's GEMMs.
+copying each chunk's rows into one buffer cost 0.5 ms at C = 2. All chunks' expert inputs are
+gathered by one index_select into the buffer they share. Each in-chunk weight gradient's slice
+copy (below) runs on the idle comm stream, issued before the chunk's dX GEMM so that it runs
+beside it (the last chunk's copies then end under the layer's own work, not after it).
+
+Host time: what a chunk issues is kept to its kernels. The per-chunk views (weights, offsets,
+row buffers) are made by one split per tensor and layer, the grouped-GEMM and weight-gradient
+implementations are chosen once per layer, and the router weights' gradient rows are one
+concatenation on one rank. At 16K tokens on one H200 the device's work per layer step is short
+enough for the host's issue time to set the pace.
 
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
@@ -53,7 +61,7 @@ from __future__ import annotations
 
 import torch
 
-from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad, wgrad_fn
+from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm_wgrad, wgrad_fn
 from longmoe.ops.moe_rows import (gather_scale, gather_sum, gather_sum_parts, swiglu_backward,
                                   swiglu_forward)
 from longmoe.parallel.routing import RoutePlan, inverse_permutation, source_major_to_expert_major
@@ -73,7 +81,7 @@ class ChunkPipeline:
         self.transport, self.streams = transport, streams
         self.rows_impl = rows_impl  # the gather/SwiGLU row kernels (ops/moe_rows.py)
         self.wgrad = wgrad
-        self._metas = None
+        self._metas = self._table = None
         # An EP group of one: the all-to-alls move nothing (see the module docstring).
         self.local = bool(plan.send) and len(plan.send[0]) == 1
 
@@ -88,6 +96,7 @@ class ChunkPipeline:
         self.last = None        # (mark, tokens, combined rows, weights) of the pending chunk
         self.bwd_started = None  # gradient dispatches issued early by _FinishCombine.backward
         self.w_A = w_A.detach()
+        self.w_A_c = self.split_rows(self.w_A, by="a")
         return _PipelinedExperts.apply(x_TH, w_A, w_in, w_out, self, impl)
 
     def finish(self, y_partial, y_fill):
@@ -96,12 +105,11 @@ class ChunkPipeline:
 
     def dispatch_grad(self, g_TH, c: int, metas, recv, marks):
         """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks."""
-        a0, a1 = self.arange(c)
-        g_rows, _ = gather_scale(g_TH, metas[c][0], self.w_A[a0:a1], impl=self.rows_impl)
+        g_rows, _ = gather_scale(g_TH, metas[c][0], self.w_A_c[c], impl=self.rows_impl)
         if self.local:  # the rows are already where the experts read them
             recv[c], marks[c] = g_rows, None
             return
-        recv[c] = g_TH.new_empty((sum(self.plan.recv[c]), g_TH.shape[1]))
+        recv[c] = g_TH.new_empty((self.table()["nrows"][c], g_TH.shape[1]))
         marks[c] = self.a2a(recv[c], g_rows, c, reverse=False)
 
     # --- per-chunk index metadata (device tensors; no host sync) --------------------------
@@ -122,11 +130,40 @@ class ChunkPipeline:
 
     def row_slices(self) -> list[slice]:
         """Where each chunk's received rows sit in the layer's chunk-major row buffers."""
-        out, base = [], 0
-        for r in self.plan.recv:
-            out.append(slice(base, base + sum(r)))
-            base += sum(r)
-        return out
+        return self.table()["rs"]
+
+    def table(self) -> dict:
+        """Per-chunk host values, computed once per layer and shared by forward and backward:
+        received rows (`nrows`) and their slice of the chunk-major buffers (`rs`), the experts'
+        split sizes (`esizes`, None when every chunk uses all local experts), each chunk's rows
+        per expert (`rows`) and their int32 end offsets on the device (`offs`)."""
+        if self._table is None:
+            p = self.plan
+            nrows = [sum(r) for r in p.recv]
+            rs, base = [], 0
+            for n in nrows:
+                rs.append(slice(base, base + n))
+                base += n
+            if p.expert_bounds is None:
+                esizes, rows, offs = None, p.expert_rows, p.offs
+            else:
+                esizes = [e - s for s, e in p.expert_bounds]
+                rows = [r[s:e] for r, (s, e) in zip(p.expert_rows, p.expert_bounds)]
+                offs = [o[s:e] for o, (s, e) in zip(p.offs, p.expert_bounds)]
+            self._table = {"nrows": nrows, "rs": rs, "esizes": esizes, "rows": rows,
+                           "offs": offs, "asizes": [a1 - a0 for a0, a1 in p.a_ranges]}
+        return self._table
+
+    def split_rows(self, t: torch.Tensor, by: str = "recv"):
+        """t's rows per chunk (views, one split): chunk-major row buffers (`recv`, the rows each
+        chunk's experts receive) or tensors in sorted-assignment order (`a`)."""
+        sizes = self.table()["nrows" if by == "recv" else "asizes"]
+        return (t,) if len(sizes) == 1 else t.split(sizes)
+
+    def split_experts(self, w: torch.Tensor):
+        """w's local-expert slice for each chunk (views: one split, not a slice per chunk)."""
+        es = self.table()["esizes"]
+        return (w,) * len(self.plan.bounds) if es is None or len(es) == 1 else w.split(es)
 
     def metas(self):
         """Per chunk: (token of each sent row, received->expert-major gather, its inverse, and
@@ -136,17 +173,17 @@ class ChunkPipeline:
         per chunk) and kept for the backward."""
         if self._metas is None:
             p, K = self.plan, self.top_k
-            tok_A = p.order_A // K
+            tok_A = self.tok_A = p.order_A // K
             tk_A = self.tk_all = p.inv_A
             rs = self.row_slices()
             if not self.local:  # one source: received order is expert-major already
                 perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
                 inv_all = inverse_permutation(perm_all)
-            out = []
+            out, tok_c = [], self.split_rows(tok_A, by="a")
             for c, r in enumerate(rs):
                 a0, a1 = self.arange(c)
                 perm = None if self.local else (perm_all[r] - r.start, inv_all[r] - r.start)
-                out.append((tok_A[a0:a1], *(perm or (None, None)),
+                out.append((tok_c[c], *(perm or (None, None)),
                             None if self.by_experts else tk_A[a0:a1] - a0))
             self._metas = out
         return self._metas
@@ -191,11 +228,26 @@ class ChunkPipeline:
         return st.mark_comm()
 
 
-def _experts_fwd(xg, w_in, w_out, rows, offs, impl, rows_impl):
+class _Gemms:
+    """grouped_mm with its implementation chosen once per weight and layer (it depends on the
+    device, dtype and widths, the same for every chunk), not at each chunk's call; the route
+    plan's row counts match the buffers by construction, so they are not re-checked either."""
+
+    def __init__(self, impl: str):
+        self.impl, self.fns = impl, {}
+
+    def __call__(self, key: str, x, w, rows, offs):
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = self.fns[key] = GROUPED_MM.select(self.impl, x, w, rows).fn
+        return fn(x, w, rows, offs)
+
+
+def _experts_fwd(xg, w_in, w_out, rows, offs, mm: _Gemms, rows_impl):
     if xg.shape[0] == 0:
         return xg.new_empty((0, w_in.shape[2])), xg.new_empty((0, w_out.shape[2]))
-    h = grouped_mm(xg, w_in, rows, offs, impl=impl)
-    return h, grouped_mm(swiglu_forward(h, rows_impl), w_out, rows, offs, impl=impl)
+    h = mm("in", xg, w_in, rows, offs)
+    return h, mm("out", swiglu_forward(h, rows_impl), w_out, rows, offs)
 
 
 def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
@@ -217,10 +269,10 @@ def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
                             impl, offs)
 
 
-def _zero_slice(dw, w, ex):
+def _zero_slice(dw, w, dw_c):
     if dw is None:
         return torch.zeros_like(w)
-    dw[ex] = 0
+    dw_c.zero_()
     return dw
 
 
@@ -229,11 +281,16 @@ class _PipelinedExperts(torch.autograd.Function):
     def forward(ctx, x_TH, w_A, w_in, w_out, pipe: ChunkPipeline, impl):
         plan, st = pipe.plan, pipe.streams
         C, H = len(plan.bounds), x_TH.shape[1]
-        metas = pipe.metas()
+        metas, tab = pipe.metas(), pipe.table()
         # The expert-major inputs of all chunks in one chunk-major buffer, so the backward's
         # weight gradient reads them without a copy.
-        rs = pipe.row_slices()
+        rs = tab["rs"]
         xg_all = x_TH.new_empty((rs[-1].stop, H))
+        xg_c = pipe.split_rows(xg_all)
+        if pipe.local:  # every chunk's rows in one gather: the buffer holds them all anyway
+            torch.index_select(x_TH, 0, pipe.tok_A, out=xg_all)
+        w_in_c, w_out_c = pipe.split_experts(w_in), pipe.split_experts(w_out)
+        mm = _Gemms(impl)
         # Combined expert outputs: one buffer per chunk, dropped once accumulated (the router
         # weights' gradient is rebuilt on the expert side in the backward).
         comb = [None] * C
@@ -246,9 +303,9 @@ class _PipelinedExperts(torch.autograd.Function):
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
         def dispatch(c):
-            if pipe.local:  # gathered straight into the expert inputs when the chunk runs
+            if pipe.local:  # gathered straight into the expert inputs above
                 return
-            recv[c] = x_TH.new_empty((sum(plan.recv[c]), H))
+            recv[c] = x_TH.new_empty((tab["nrows"][c], H))
             d_mark[c] = pipe.a2a(recv[c], x_TH[metas[c][0]], c, reverse=False)
 
         def accumulate(c):
@@ -264,15 +321,12 @@ class _PipelinedExperts(torch.autograd.Function):
             dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            xg = xg_all[rs[c]]
-            if pipe.local:
-                torch.index_select(x_TH, 0, metas[c][0], out=xg)
-            else:
+            xg = xg_c[c]
+            if not pipe.local:
                 torch.index_select(recv[c], 0, metas[c][1], out=xg)
             recv[c] = None
-            ex = pipe.experts(c)
-            h, yg = _experts_fwd(xg, w_in[ex], w_out[ex], plan.expert_rows[c][ex],
-                                 plan.offs[c][ex], impl, pipe.rows_impl)
+            h, yg = _experts_fwd(xg, w_in_c[c], w_out_c[c], tab["rows"][c], tab["offs"][c], mm,
+                                 pipe.rows_impl)
             a0, a1 = pipe.arange(c)
             send = yg if pipe.local else yg[metas[c][2]]
             yg = None  # its gathered copy is what the comm stream sends
@@ -314,14 +368,19 @@ class _PipelinedExperts(torch.autograd.Function):
         C, H, K = len(plan.bounds), g_TH.shape[1], pipe.top_k
         started, pipe.bwd_started = pipe.bwd_started, None
         g_TH = started[0] if started else g_TH.contiguous()
-        metas = pipe.metas()
+        metas, tab = pipe.metas(), pipe.table()
         gx_TH = torch.empty_like(g_TH)
         acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
-        gw_A = torch.empty(w_A.shape, dtype=acc, device=w_A.device)
-        w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)
+        # Router weights' gradient rows: one rank keeps each chunk's and concatenates them once
+        # at the end; otherwise they come back through the combine's all-to-all into gw_A.
+        gw_A = [] if pipe.local else torch.empty(w_A.shape, dtype=acc, device=w_A.device)
+        gw_A_c = None if pipe.local else pipe.split_rows(gw_A, by="a")
+        w_in_t, w_out_t = pipe.split_experts(w_in.transpose(1, 2)), \
+            pipe.split_experts(w_out.transpose(1, 2))
+        xg_c = pipe.split_rows(xg_all)
         recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
         c_mark = [None] * C
-        rs = pipe.row_slices()
+        rs = tab["rs"]
         by_e, now = pipe.by_experts, pipe.wgrad_in_chunks()
         # Combined dX rows: expert chunks return a token's rows over several chunks, so one
         # buffer for the layer (allocated at the first combine); token chunks one per chunk,
@@ -330,12 +389,15 @@ class _PipelinedExperts(torch.autograd.Function):
         if now:  # each chunk's weight gradient right after its dgrad, into its experts' slice
             dw_in = torch.empty_like(w_in) if C > 1 else None
             dw_out = torch.empty_like(w_out) if C > 1 else None
+            dw_in_c = pipe.split_experts(dw_in) if C > 1 else (None,)
+            dw_out_c = pipe.split_experts(dw_out) if C > 1 else (None,)
         else:
             # Delayed: every chunk's operands, chunk-major, written in place as each chunk's
             # dgrad produces them; one weight-gradient GEMM per weight at the end of the layer.
             gy_all = g_TH.new_empty((rs[-1].stop, H))
             gh_all = g_TH.new_empty((rs[-1].stop, w_in.shape[2]))
             a_all = g_TH.new_empty((rs[-1].stop, w_out.shape[1]))
+            gy_c, gh_c, a_c = (pipe.split_rows(t) for t in (gy_all, gh_all, a_all))
 
         def dispatch(c):
             pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
@@ -355,21 +417,25 @@ class _PipelinedExperts(torch.autograd.Function):
                 gx_A[0] = g_TH.new_empty((plan.order_A.numel(), H))
             return gx_A[0][a0:a1]
 
+        mm = _Gemms(impl)
         wgrads = {}  # the GEMM implementation chosen once per weight, not per chunk (host time)
-        moves = []  # one rank: a chunk's dW slice copies, issued together at the end of its step
+        moves = []  # one rank: a chunk's dW slice copies, issued together on the comm stream
+        comm_used = not pipe.local
 
-        def wgrad_into(dw, ex, x, dy, w, rows, offs):
-            if id(w) not in wgrads:
-                wgrads[id(w)] = wgrad_fn(impl, x, w, rows)
-            d = wgrads[id(w)](x, dy, rows, w[ex], offs)
+        def wgrad_into(dw, dw_c, x, dy, w, rows, offs):
+            # x has rows here: `w` gives only the result's dtype (no per-chunk slice of it)
+            fn = wgrads.get(id(w))
+            if fn is None:
+                fn = wgrads[id(w)] = wgrad_fn(impl, x, w, rows)
+            d = fn(x, dy, rows, w, offs)
             if dw is None:
                 return d
             # torch._grouped_mm has no out=: the chunk's slice is copied in (for 256 local experts
-            # 1.5 GiB per layer step in all; one rank runs it beside the next chunk's GEMMs).
+            # 1.5 GiB per layer step in all; one rank runs it beside the chunk's dX GEMM).
             if pipe.local:
-                moves.append((dw[ex], d))
+                moves.append((dw_c, d))
             else:
-                dw[ex] = d
+                dw_c.copy_(d)
             return dw
 
         for c in range(min(2, C)):
@@ -377,21 +443,19 @@ class _PipelinedExperts(torch.autograd.Function):
                 dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
-            ex = pipe.experts(c)
-            rows, offs = plan.expert_rows[c][ex], plan.offs[c][ex]
-            a0, a1 = pipe.arange(c)
+            rows, offs = tab["rows"][c], tab["offs"][c]
             if now:
                 gy = recv[c] if pipe.local else recv[c].index_select(0, metas[c][1])
                 gh = a = None
             else:
-                gy, gh, a = gy_all[rs[c]], gh_all[rs[c]], a_all[rs[c]]
+                gy, gh, a = gy_c[c], gh_c[c], a_c[c]
                 if pipe.local:
                     gy.copy_(recv[c])
                 else:
                     torch.index_select(recv[c], 0, metas[c][1], out=gy)
             recv[c] = None
             if gy.shape[0]:
-                ga = grouped_mm(gy, w_out_t[ex], rows, offs, impl=impl)      # dgrad
+                ga = mm("out_t", gy, w_out_t[c], rows, offs)      # dgrad
                 # Router weights: dL/dw = <g, y> with y = a W_out the expert's output. On the
                 # expert side gy = w g, so <gy, a W_out> = <gy W_out^T, a> = <ga, a> = w <g, y>:
                 # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y
@@ -400,28 +464,32 @@ class _PipelinedExperts(torch.autograd.Function):
                                               with_dot=True, impl=pipe.rows_impl)
                 ga = None
                 if now:  # dW_out now: gy and a are dead before dX's rows are allocated
-                    dw_out = wgrad_into(dw_out, ex, a, gy, w_out, rows, offs)
+                    dw_out = wgrad_into(dw_out, dw_out_c[c], a, gy, w_out, rows, offs)
                     gy = a = None
-                gxg = grouped_mm(gh, w_in_t[ex], rows, offs, impl=impl)
+                    if pipe.local:  # no combine to run under: dW_in and both slice copies
+                        dw_in = wgrad_into(dw_in, dw_in_c[c], xg_c[c], gh, w_in, rows, offs)
+                        if moves:  # beside the dX GEMM below (waited for once, at the end)
+                            pipe.copy_beside(moves)
+                            moves.clear()
+                            comm_used = True
+                gxg = mm("in_t", gh, w_in_t[c], rows, offs)
             else:
                 gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
                 if now:  # no rows for these experts on this rank: their gradients are zero
-                    dw_out, dw_in = _zero_slice(dw_out, w_out, ex), _zero_slice(dw_in, w_in, ex)
+                    dw_out = _zero_slice(dw_out, w_out, dw_out_c[c])
+                    dw_in = _zero_slice(dw_in, w_in, dw_in_c[c])
             send = gxg if pipe.local else gxg[metas[c][2]]
             gxg = None  # only its gathered copy travels
             buf = combine_buffer(c, send)
             if pipe.local:  # the dX rows stay in place; the router weights' rows are small
-                gw_A[a0:a1].copy_(gw_e)
+                gw_A.append(gw_e)
             else:
                 c_mark[c] = pipe.a2a(buf, send, c, reverse=True)
-                pipe.a2a(gw_A[a0:a1], gw_e[metas[c][2]], c, reverse=True)
+                pipe.a2a(gw_A_c[c], gw_e[metas[c][2]], c, reverse=True)
             send = gw_e = buf = None
-            if now and gh is not None:  # dW_in under this chunk's combine
-                dw_in = wgrad_into(dw_in, ex, xg_all[rs[c]], gh, w_in, rows, offs)
+            if now and gh is not None and not pipe.local:  # dW_in under this chunk's combine
+                dw_in = wgrad_into(dw_in, dw_in_c[c], xg_c[c], gh, w_in, rows, offs)
             gh = None
-            if moves:  # waited for once, before the gradients are returned
-                pipe.copy_beside(moves)
-                moves.clear()
             if c + 2 < C:
                 dispatch(c + 2)
             if c and not by_e:
@@ -430,18 +498,20 @@ class _PipelinedExperts(torch.autograd.Function):
             dw_out = _chunked_wgrad(a_all, gy_all, pipe, w_out, impl)
             del a_all, gy_all
             dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
-            del gh_all
+            del gh_all, gh_c
         if by_e:  # each token's dX rows came back over several chunks: sum them now
             st.compute_waits(c_mark[C - 1])
             gather_sum_parts(gx_A if pipe.local else gx_A[:1], pipe.tk_all, None, K, out=gx_TH,
                              impl=pipe.rows_impl)
         else:
             accumulate(C - 1)
-        st.compute_waits(st.mark_comm())  # the router weights' rows and any dW slice copies
-        w = w_A.to(acc)
+        if comm_used:  # the router weights' rows and any dW slice copies
+            st.compute_waits(st.mark_comm())
+        if pipe.local:
+            gw_A = gw_A[0] if C == 1 else torch.cat(gw_A)
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
-        # there, so any finite value is exact: 0.
-        g_wA = torch.where(w > 0, gw_A / torch.where(w > 0, w, 1.0), 0.0).to(w_A.dtype)
+        # there, so any finite value is exact: 0. (The quotient is taken in gw_A's precision.)
+        g_wA = (gw_A / w_A).masked_fill_(w_A <= 0, 0).to(w_A.dtype)
         return gx_TH, g_wA, dw_in, dw_out, None, None
 
 

@@ -105,20 +105,20 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     # The one host synchronisation of the layer (the expert-index range rides along with it).
     bounds_dev = (torch.stack([idx_TK.min(), idx_TK.max()]) if idx_TK.numel()
                   else idx_TK.new_zeros(2))
-    host = torch.cat([matrix_CSD.reshape(-1), recv_SCL.sum(0).reshape(-1),
+    host = torch.cat([matrix_CSD.reshape(-1), rows_CL.reshape(-1),
                       bounds_dev.to(matrix_CSD.dtype)]).tolist()
     _check_index_range(*host[-2:], num_experts)
     host = host[:-2]
     mat = [[host[(c * S + s) * S:(c * S + s + 1) * S] for s in range(S)] for c in range(C)]
     rows = host[C * S * S:]
-    plan = RoutePlan(bounds, mat, [], [], [], [], order_A, rows_CL, list(offs_CL.unbind(0)),
-                     [], ebounds, inv_A)
+    # Per-chunk views come from one unbind each, not an indexing op per chunk (host time).
+    plan = RoutePlan(bounds, mat, [], [], [], list(recv_SCL.unbind(1)), order_A, rows_CL,
+                     list(offs_CL.unbind(0)), [], ebounds, inv_A)
     a0 = 0
     for c in range(C):
         plan.send.append(list(mat[c][me]))
         plan.recv.append([mat[c][s][me] for s in range(S)])
         plan.expert_rows.append(rows[c * L:(c + 1) * L])
-        plan.recv_SL.append(recv_SCL[:, c])
         n = sum(plan.send[c]) if ebounds else (bounds[c][1] - bounds[c][0]) * K
         plan.a_ranges.append((a0, a0 + n))
         a0 += n
