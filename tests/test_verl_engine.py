@@ -7,6 +7,7 @@ test_verl_ranks.py.
 
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -181,6 +182,58 @@ def test_checkpoint_round_trip(verl_env):
     b.load_checkpoint(str(verl_env / "ckpt"))
     got = train_mini_batch(b, td, 4)
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+
+
+def test_checkpoint_max_ckpt_to_keep(verl_env):
+    """verl saves each global step into global_step_N/actor and asks for the newest
+    max_ckpt_to_keep: a directory the engine created goes whole once it is beyond them, its lock
+    given up; in one that existed before, only what the engine wrote goes."""
+    from longmoe.checkpoint.directory import claim
+    from longmoe.errors import UserError
+
+    def held(d):
+        """Whether this process holds d's lock (a claim of it is then shared)."""
+        existed = d.exists()
+        lock = claim(d)
+        lock.release()
+        if not existed:
+            shutil.rmtree(d)                           # the claim made it
+        return lock.shared
+    _, path = reference("tiny", verl_env)
+    w = worker(path, "tiny")
+    run = verl_env / "ckpt-keep"
+    actor = [run / f"global_step_{n}" / "actor" for n in range(1, 7)]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(UserError, match="max_ckpt_to_keep"):
+            w.save_checkpoint(str(actor[0]), None, 1, bad)
+    assert not run.exists()                            # refused before anything is written
+    for n in (1, 2, 3):
+        w.save_checkpoint(str(actor[n - 1]), None, n, max_ckpt_to_keep=2)
+    assert not actor[0].exists() and actor[0].parent.is_dir()   # verl's global_step_1 stays
+    assert list(actor[0].parent.iterdir()) == []                # no debris
+    for a in actor[1:3]:
+        assert sorted(q.name for q in a.iterdir()) == [".lock", "latest", "step-00000000",
+                                                       "verl_lr_schedule.json"]
+    assert held(actor[2]) and not held(actor[0])       # its lock was given up before
+    # The same directory saved into again counts once, as the newest.
+    w.save_checkpoint(str(actor[1]), None, 2, max_ckpt_to_keep=2)
+    assert actor[1].is_dir() and actor[2].is_dir()
+    # A directory that existed before keeps what was there; only the engine's files go.
+    actor[3].mkdir(parents=True)
+    (actor[3] / "notes.txt").write_text("the user's\n")
+    w.save_checkpoint(str(actor[3]), None, 4, max_ckpt_to_keep=2)
+    assert actor[1].is_dir() and not actor[2].exists()
+    for n in (5, 6):
+        w.save_checkpoint(str(actor[n - 1]), None, n, max_ckpt_to_keep=2)
+    assert not actor[1].exists()
+    assert sorted(q.name for q in actor[3].iterdir()) == [".lock", "notes.txt"]
+    assert not held(actor[3]) and held(actor[5])
+    w2 = worker(path, "tiny")
+    w2.load_checkpoint(str(actor[5]))
+    # None (verl's default) keeps every directory.
+    for n in (7, 8, 9):
+        w2.save_checkpoint(str(run / f"global_step_{n}" / "actor"), None, n, None)
+    assert all((run / f"global_step_{n}" / "actor" / "latest").is_file() for n in (7, 8, 9))
 
 
 def test_temperature_other_than_one_is_refused(verl_env):

@@ -12,7 +12,8 @@ What verl calls, and what runs:
                           backward; outputs restored to verl's order (postprocess_batch_func)
   optimizer_step          PolicyTrainer.optim_step: clip, AdamW, longmoe's schedule; the norm
   get_per_tensor_param    PolicyTrainer.named_weights_for_rollout: HF names, full tensors
-  save/load_checkpoint    PolicyTrainer.save / load (DCP, verified manifest)
+  save/load_checkpoint    PolicyTrainer.save / load (DCP, verified manifest); verl's
+                          max_ckpt_to_keep over the directories it saves into (retention.py)
 
 verl's loss is computed outside our LM head: the head returns log-probs with their gradient and
 verl's loss runs on them, except for verl's own ppo_loss with settings our objective computes
@@ -44,6 +45,7 @@ from longmoe.integrations.verl.batch import (check_temperature, sequences, to_ne
                                              to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
+from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
 from longmoe.integrations.verl.schedule import RateSchedule, check_optimizer
 from longmoe.train.feed import min_row, pad_multiple
 from longmoe.train.setup import loss_scale, set_cp_row_length
@@ -93,6 +95,7 @@ class LongMoEEngine(BaseEngine):
             raise ConfigError("parallel.cp", "context parallelism trains through the fused "
                                              "ppo_loss only; set longmoe.fused_ppo_loss=true")
         self._dp_group = None
+        self._saved = SavedPaths()  # where save_checkpoint wrote, for max_ckpt_to_keep
 
     # ---- setup and modes -----------------------------------------------------------------------
 
@@ -318,10 +321,12 @@ class LongMoEEngine(BaseEngine):
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
                         **kwargs):
         """PolicyTrainer.save(local_path): local_path/step-N (N: optimizer steps taken), and the
-        position of verl's schedule beside it (local_path/SCHEDULE_FILE)."""
+        position of verl's schedule beside it (local_path/SCHEDULE_FILE). Then only the newest
+        max_ckpt_to_keep of the directories saved into remain (None or 0: all; retention.py)."""
         if hdfs_path:
             raise UserError("longmoe engine: save_checkpoint: hdfs_path is not supported; copy "
                             "local_path yourself")
+        keep, created = keep_count(max_ckpt_to_keep), self._saved.new(local_path)
         back = self._on_device()
         try:
             out = self.trainer.save(local_path)
@@ -333,6 +338,9 @@ class LongMoEEngine(BaseEngine):
             tmp.write_text(json.dumps({"lr_scheduler_steps": self.schedule.calls,
                                        "optimizer_steps": self.trainer.step}))
             os.replace(tmp, path)
+        self._saved.saved(local_path, created, out)
+        remove_old(self._saved.beyond(keep), self.trainer.close, (SCHEDULE_FILE,),
+                   not dist.is_initialized() or dist.get_rank() == 0)
         return out
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
