@@ -42,7 +42,7 @@ from longmoe.rl.logprobs import compute_logprobs as forward_logprobs
 from longmoe.train.config import RunConfig, load_run_config
 from longmoe.train.feed import StepData, check_budget_settings
 from longmoe.train.optim import LocalShardAdamW
-from longmoe.train.precision import MasterWeights
+from longmoe.train.precision import MasterWeights, store_parameters_as
 from longmoe.train.setup import (all_finite, build_model, clip_grad_norm, finish_grads,
                                  set_cp_row_length, torch_dtype)
 from longmoe.train.step import accumulate, local_micro_batch, step_counts
@@ -79,7 +79,13 @@ class PolicyTrainer:
     """See the module docstring. Attributes: model, layout, run, step (optimizer steps taken,
     skipped ones included), backend, device, objective, optim, sched."""
 
-    def __init__(self, run: RunConfig, backend=None, device: torch.device | None = None):
+    def __init__(self, run: RunConfig, backend=None, device: torch.device | None = None,
+                 forward_only: bool = False):
+        """`forward_only`: a policy that only computes log-probs (a reference policy): its
+        parameters are stored in parallel.param_dtype, the values the training forward computes
+        with, so its log-probs are bit for bit those of a trainer built without it, in half the
+        memory of fp32 shards and with no fp32 masters; forward_backward, optim_step, save and
+        load refuse."""
         if not isinstance(run, RunConfig):
             raise UserError(f"PolicyTrainer: run must be a longmoe.train.config.RunConfig, got "
                             f"{type(run).__name__}")
@@ -101,8 +107,12 @@ class PolicyTrainer:
         self.layout = build_layout(self.backend.device_type, run.parallel.ep, run.parallel.cp)
         self.model = build_model(run, self.layout, self.device)
         o, par = run.optim, run.parallel
+        self.forward_only = bool(forward_only)
+        if self.forward_only:
+            store_parameters_as(self.model, torch_dtype(par.param_dtype))
         self.master = None
-        if not (par.fsdp and self.layout.dp_mesh is not None) and par.param_dtype != "float32":
+        if (not self.forward_only and not (par.fsdp and self.layout.dp_mesh is not None)
+                and par.param_dtype != "float32"):
             self.master = MasterWeights(self.model, torch_dtype(par.param_dtype))
         self.optim_impl = o.impl if o.impl != "auto" else (
             "foreach" if self.backend.device_type == "cpu" else "fused")
@@ -153,6 +163,11 @@ class PolicyTrainer:
         from longmoe.api.offload import move
         move(self, "device", params, optimizer)
 
+    def require_trainable(self, what: str) -> None:
+        if self.forward_only:
+            raise UserError(f"{what}: this PolicyTrainer was built forward_only (a reference "
+                            f"policy): it computes log-probs only")
+
     def require_device(self, what: str, optimizer: bool = False) -> None:
         if self.params_on_host or (optimizer and self.optimizer_on_host):
             part = "parameters" if self.params_on_host else "optimizer state"
@@ -182,6 +197,8 @@ class PolicyTrainer:
         same verdict on every rank before any collective of the model. `extra`: checks of the
         call's other arguments; `after`: of the arguments against the plan. Returns the plan."""
         self.require_device(what)
+        if signal:  # a training call
+            self.require_trainable(what)
         error = plan = None
         try:
             for check in extra:
@@ -218,6 +235,7 @@ class PolicyTrainer:
         objective computes them entropy, kl, tis_weight, tis_clip_frac, dual_clip_frac)."""
         what = "forward_backward"
         if isinstance(samples, StepData):
+            self.require_trainable(what)
             data = samples
             n_tok, n_smp = step_counts(data.trained_tokens, data.trained_samples, self.layout,
                                        self.device)
@@ -296,6 +314,7 @@ class PolicyTrainer:
         "no_tokens"); the schedule advances anyway. train.max_bad_steps non-finite steps in a row
         raise TrainingStopped (`stop_on_bad=False`: never; watch info["bad_steps"]). Returns
         {"grad_norm", "lr" (applied), "step" (steps taken), "skipped", "bad_steps"}."""
+        self.require_trainable("optim_step")
         if self._calls == 0:
             raise UserError("optim_step: no forward_backward since the last optim_step: there "
                             "is no gradient to apply")
@@ -413,6 +432,7 @@ class PolicyTrainer:
         keep_newest; None keeps all). Returns the step directory."""
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise UserError(f"save: keep must be an int >= 1 or None (keep all), got {keep!r}")
+        self.require_trainable("save")
         self.require_device("save", optimizer=True)
         self._finite_or_stop("save")
         self._own(directory)
@@ -460,6 +480,7 @@ class PolicyTrainer:
         if self._calls:
             raise UserError("load: forward_backward gradients are pending; call optim_step "
                             "before loading (loading would drop them)")
+        self.require_trainable("load")
         self.require_device("load", optimizer=True)
         point = resume_point(directory, self.run, self._identity(), allow_batch_change=True,
                              full=True)

@@ -36,3 +36,16 @@ class MasterWeights:
     def master_to_model(self):
         for p, m in self.pairs:
             p.copy_(m)
+
+
+@torch.no_grad()
+def store_parameters_as(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store the model's floating-point parameters in `dtype` (a forward-only policy in the
+    dtype its forward computes with: FSDP2's mixed precision casts to it at every gather, the
+    fp32-master layout keeps the model's copy in it). Buffers keep their dtype and values. Under
+    FSDP2, module.to swaps each sharded parameter in place and FSDP re-reads its shard, so this
+    runs before the first forward."""
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    model.to(dtype)
+    for m, n, b in buffers:
+        m._buffers[n] = b
