@@ -105,25 +105,30 @@ def test_layer_matches_the_host_planned_layer(dtype, tol):
 def test_layer_on_gpu_reads_nothing_back():
     """bf16 on the GPU (widths that torch._grouped_mm takes): after a first call (kernel
     compiles), the layer's forward and backward run with synchronising calls reported as errors,
-    and match the float64 layer on the CPU."""
+    and match the same layer with host-planned routes (one chunk of the pipeline)."""
     seed = random.randrange(2**31)
-    moe, cfg = _moe(seed, E=8, K=2, hidden=32)
+    moe, cfg = _moe(seed, E=8, K=2, dtype=torch.bfloat16, hidden=32)
+    moe = moe.cuda()
     g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(1, 257, cfg.hidden_size, generator=g, dtype=torch.float64)
-    y_ref, _ = moe(x0)
-    gpu = MoE(cfg).cuda().to(torch.bfloat16)
-    gpu.load_state_dict(moe.state_dict())
-    x = x0.cuda().to(torch.bfloat16).requires_grad_(True)
-    y, aux = gpu(x)
-    (y.float().square().sum() + aux).backward()
-    gpu.zero_grad(set_to_none=True)
-    x.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y, aux = gpu(x)
-        (y.float().square().sum() + aux).backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.testing.assert_close(y.double().cpu(), y_ref.detach(), atol=3e-2, rtol=3e-2)
-    assert x.grad is not None and gpu.experts.w_in.grad.abs().sum() > 0
+    x0 = torch.randn(1, 257, cfg.hidden_size, generator=g).cuda().to(torch.bfloat16)
+
+    def run(pipeline, check_syncs=False):
+        moe.dispatcher = ExpertDispatcher(cfg.num_experts, None, chunks=1, pipeline=pipeline)
+        moe.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        if check_syncs:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            y, aux = moe(x)
+            (y.float().square().sum() + aux).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return y.detach().float(), x.grad.float(), moe.experts.w_in.grad.float()
+
+    run(False)
+    got = run(False, check_syncs=True)
+    want = run(True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2, msg=f"seed {seed}")
+    assert got[2].abs().sum() > 0
