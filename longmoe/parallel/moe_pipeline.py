@@ -38,20 +38,21 @@ inside the layer (each would be a stream synchronisation).
 
 One rank (an EP group of one, e.g. the pipeline timed on a single device): no all-to-all moves a
 row, so none is issued, and the source-major <-> expert-major gathers, identities with one
-source, are skipped. Each chunk gathers its tokens straight into the expert-input buffer; its
-expert outputs and dX rows stay where its GEMMs wrote them, and the combines read them there
-(gather_sum_parts: one kernel over up to four chunks' buffers). On an H200 at 16K tokens the
-transfers and gathers were 8 full passes over the rows per layer step (+28% at C = 1), and
-copying each chunk's rows into one buffer cost 0.5 ms at C = 2. All chunks' expert inputs are
-gathered by one index_select into the buffer they share. Each in-chunk weight gradient's slice
-copy (below) runs on the idle comm stream, issued before the chunk's dX GEMM so that it runs
-beside it (the last chunk's copies then end under the layer's own work, not after it).
+source, are skipped. One index_select gathers every chunk's tokens straight into the
+expert-input buffer they share; each chunk's expert outputs and dX rows stay where its GEMMs
+wrote them, and the combines read them there (gather_sum_parts: one kernel over up to four
+chunks' buffers). On an H200 at 16K tokens the transfers and gathers were 8 full passes over the
+rows per layer step (+28% at C = 1), and copying each chunk's rows into one buffer cost 0.5 ms
+at C = 2. Each in-chunk weight gradient's slice copy (below) runs on the idle comm stream,
+issued before the chunk's dX GEMM so that it runs beside it (the last chunk's copies then end
+under the layer's own work, not after it).
 
-Host time: what a chunk issues is kept to its kernels. The per-chunk views (weights, offsets,
-row buffers) are made by one split per tensor and layer, the grouped-GEMM and weight-gradient
-implementations are chosen once per layer, and the router weights' gradient rows are one
-concatenation on one rank. At 16K tokens on one H200 the device's work per layer step is short
-enough for the host's issue time to set the pace.
+Host time: a chunk issues its kernels and little else. The per-chunk views (weights, offsets,
+row buffers, routing weights) come from one split per tensor and layer, the grouped-GEMM and
+weight-gradient implementations are chosen once per layer, and one rank concatenates the router
+weights' gradient rows once instead of copying each chunk's. At 16K tokens an H200 runs each
+chunk's GEMMs in 0.1-0.3 ms, so a layer with several chunks runs near the host's pace
+(docs/primitives/chunked_ep.md).
 
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
@@ -121,22 +122,17 @@ class ChunkPipeline:
     def by_experts(self) -> bool:
         return self.plan.expert_bounds is not None
 
-    def experts(self, c: int) -> slice:
-        """The local experts chunk c's GEMMs use: all of them for token chunks, its own range
-        for expert chunks (the other experts have no rows in it)."""
-        if self.plan.expert_bounds is None:
-            return slice(None)
-        return slice(*self.plan.expert_bounds[c])
-
     def row_slices(self) -> list[slice]:
         """Where each chunk's received rows sit in the layer's chunk-major row buffers."""
         return self.table()["rs"]
 
     def table(self) -> dict:
         """Per-chunk host values, computed once per layer and shared by forward and backward:
-        received rows (`nrows`) and their slice of the chunk-major buffers (`rs`), the experts'
-        split sizes (`esizes`, None when every chunk uses all local experts), each chunk's rows
-        per expert (`rows`) and their int32 end offsets on the device (`offs`)."""
+        received rows (`nrows`) and their slice of the chunk-major buffers (`rs`), rows of the
+        sorted assignments (`asizes`), and the local experts each chunk's GEMMs use: all of them
+        for token chunks (`esizes` None), its own range for expert chunks (the others have no
+        rows in it; `esizes` their counts), with the rows per expert (`rows`) and their int32
+        end offsets on the device (`offs`)."""
         if self._table is None:
             p = self.plan
             nrows = [sum(r) for r in p.recv]
@@ -510,8 +506,9 @@ class _PipelinedExperts(torch.autograd.Function):
         if pipe.local:
             gw_A = gw_A[0] if C == 1 else torch.cat(gw_A)
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
-        # there, so any finite value is exact: 0. (The quotient is taken in gw_A's precision.)
-        g_wA = (gw_A / w_A).masked_fill_(w_A <= 0, 0).to(w_A.dtype)
+        # there, so any finite value is exact: 0.
+        w = w_A.to(acc)
+        g_wA = (gw_A / w).masked_fill_(w <= 0, 0).to(w_A.dtype)
         return gx_TH, g_wA, dw_in, dw_out, None, None
 
 
