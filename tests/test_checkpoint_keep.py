@@ -52,6 +52,13 @@ def test_train_keeps_the_newest_checkpoints_and_resumes_from_latest(tmp_path, ca
     # Without the setting (0, the default) every step stays.
     assert train(ck, 6, "--resume") == 0
     assert steps_in(ck) == ["step-00000004", "step-00000005", "step-00000006"]
+    # --overwrite: its first publish replaces the earlier run's steps (all newer than step 1),
+    # then retention counts this run's.
+    capsys.readouterr()
+    assert train(ck, 3, *keep, "--overwrite") == 0
+    out = capsys.readouterr().out
+    assert "--overwrite: removed the earlier step-00000004, step-00000005, step-00000006" in out
+    assert steps_in(ck) == ["step-00000002", "step-00000003"]
 
 
 @pytest.mark.parametrize("value, says", [("-1", "must be an integer >= 0"),
