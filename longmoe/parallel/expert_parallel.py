@@ -79,6 +79,5 @@ class ExpertDispatcher:
         plan = plan_routes(idx_TK, self.num_experts, self.chunks, self.group, self.chunk_by)
         pipe = ChunkPipeline(plan, K, self.group, self.transport, self.streams, self.rows_impl,
                              self.wgrad)
-        w_A = w_TK.reshape(-1)[plan.order_A]
-        y_partial = experts(x_TH, pipe, w_A)
+        y_partial = experts(x_TH, pipe, w_TK.reshape(-1))  # sorted inside, without autograd
         return pipe.finish(y_partial, fill() if fill is not None else torch.zeros_like(y_partial))

@@ -91,14 +91,17 @@ class ChunkPipeline:
         own experts' slice: expert chunks, or one chunk) rather than once at the end."""
         return self.wgrad == "auto" and (self.by_experts or len(self.plan.bounds) == 1)
 
-    def run(self, x_TH, w_A, w_in, w_out, impl: str = "auto"):
+    def run(self, x_TH, w_TK, w_in, w_out, impl: str = "auto"):
         """The routed output without the last chunk's combine, which is left in flight: call
         `finish` with the work that should run under it (the shared expert)."""
         self.last = None        # (mark, tokens, combined rows, weights) of the pending chunk
         self.bwd_started = None  # gradient dispatches issued early by _FinishCombine.backward
-        self.w_A = w_A.detach()
+        # w_TK: the combine weights in (token, k) order, flat. Sorted here like the rows, without
+        # autograd: the gradient of an autograd index is a scatter-add per layer (on a GPU a
+        # sort of the A indices first); the backward returns the token-order gradient by a gather.
+        self.w_A = w_TK.detach()[self.plan.order_A]
         self.w_A_c = self.split_rows(self.w_A, by="a")
-        return _PipelinedExperts.apply(x_TH, w_A, w_in, w_out, self, impl)
+        return _PipelinedExperts.apply(x_TH, w_TK, w_in, w_out, self, impl)
 
     def finish(self, y_partial, y_fill):
         """y_partial + y_fill + the pending last chunk, once its combine has landed."""
@@ -274,9 +277,9 @@ def _zero_slice(dw, w, dw_c):
 
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w_A, w_in, w_out, pipe: ChunkPipeline, impl):
+    def forward(ctx, x_TH, w_TK, w_in, w_out, pipe: ChunkPipeline, impl):
         plan, st = pipe.plan, pipe.streams
-        C, H = len(plan.bounds), x_TH.shape[1]
+        C, H, K = len(plan.bounds), x_TH.shape[1], pipe.top_k
         metas, tab = pipe.metas(), pipe.table()
         # The expert-major inputs of all chunks in one chunk-major buffer, so the backward's
         # weight gradient reads them without a copy.
@@ -306,10 +309,8 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
-            a0, a1 = pipe.arange(c)
             s, e = plan.bounds[c]
-            tk = metas[c][3]
-            gather_sum(comb[c], tk, w_A[a0:a1][tk], pipe.top_k, out=y_TH[s:e],
+            gather_sum(comb[c], metas[c][3], w_TK[s * K:e * K], K, out=y_TH[s:e],
                        impl=pipe.rows_impl)
             comb[c] = None
 
@@ -343,21 +344,21 @@ class _PipelinedExperts(torch.autograd.Function):
             hs.append(h)
         if by_e:  # every chunk's combine lands in _FinishCombine, reduced there at once
             pipe.last = (c_mark[C - 1], (0, x_TH.shape[0]), pipe.tk_all,
-                         comb if pipe.local else [y_A], w_A)
+                         comb if pipe.local else [y_A], w_TK)
         else:
-            a0, a1 = pipe.arange(C - 1)
             s, e = plan.bounds[C - 1]
             y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
-            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], [comb[C - 1]], w_A[a0:a1])
+            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], [comb[C - 1]],
+                         w_TK[s * K:e * K])
         if c_mark[C - 1] is not None:
             st.pending.append(c_mark[C - 1])
-        ctx.save_for_backward(w_A, w_in, w_out, xg_all, *hs)
+        ctx.save_for_backward(w_TK, w_in, w_out, xg_all, *hs)
         ctx.pipe, ctx.impl = pipe, impl
         return y_TH
 
     @staticmethod
     def backward(ctx, g_TH):
-        w_A, w_in, w_out, xg_all, *hs = ctx.saved_tensors
+        w_TK, w_in, w_out, xg_all, *hs = ctx.saved_tensors
         pipe, impl = ctx.pipe, ctx.impl
         plan, st = pipe.plan, pipe.streams
         st.flush_pending()  # a recomputed forward may have left its last combine in flight
@@ -369,7 +370,7 @@ class _PipelinedExperts(torch.autograd.Function):
         acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
         # Router weights' gradient rows: one rank keeps each chunk's and concatenates them once
         # at the end; otherwise they come back through the combine's all-to-all into gw_A.
-        gw_A = [] if pipe.local else torch.empty(w_A.shape, dtype=acc, device=w_A.device)
+        gw_A = [] if pipe.local else torch.empty(w_TK.shape, dtype=acc, device=w_TK.device)
         gw_A_c = None if pipe.local else pipe.split_rows(gw_A, by="a")
         w_in_t, w_out_t = pipe.split_experts(w_in.transpose(1, 2)), \
             pipe.split_experts(w_out.transpose(1, 2))
@@ -507,9 +508,9 @@ class _PipelinedExperts(torch.autograd.Function):
             gw_A = gw_A[0] if C == 1 else torch.cat(gw_A)
         # w = 0 only where softmax underflowed; the router's gradient multiplies dL/dw by w
         # there, so any finite value is exact: 0.
-        w = w_A.to(acc)
-        g_wA = (gw_A / w).masked_fill_(w <= 0, 0).to(w_A.dtype)
-        return gx_TH, g_wA, dw_in, dw_out, None, None
+        w = w_TK.to(acc)
+        g_wTK = (gw_A[pipe.tk_all] / w).masked_fill_(w <= 0, 0).to(w_TK.dtype)
+        return gx_TH, g_wTK, dw_in, dw_out, None, None
 
 
 class _FinishCombine(torch.autograd.Function):
@@ -518,13 +519,13 @@ class _FinishCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_partial, y_fill, pipe: ChunkPipeline):
-        mark, (s, e), tk, y_rows, w_rows = pipe.last
+        mark, (s, e), tk, y_rows, w_tok = pipe.last  # w_tok: weights in (token, k) order
         pipe.last = None
         st = pipe.streams
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
         out = y_partial + y_fill
-        gather_sum_parts(y_rows, tk, w_rows[tk], pipe.top_k, out=out[s:e], accumulate=True,
+        gather_sum_parts(y_rows, tk, w_tok, pipe.top_k, out=out[s:e], accumulate=True,
                          impl=pipe.rows_impl)
         ctx.pipe = pipe
         return out
