@@ -197,9 +197,10 @@ class ChunkPipeline:
         sizes = [sum(col) for col in zip(*p.expert_rows)]
         return perm, sizes, p.rows_CL.sum(0).cumsum(0).to(torch.int32)
 
-    def copy_beside(self, pairs):
+    def copy_beside(self, pairs, mark: bool = True):
         """out <- inp for each (out, inp), in one go on the comm stream, beside the compute
-        stream's next work (one rank, where the comm stream has no all-to-all to run)."""
+        stream's next work (one rank, where the comm stream has no all-to-all to run). With
+        mark=False no marker is made (the caller waits for all comm work at once later)."""
         st = self.streams
         st.comm_waits_compute()
         for _, inp in pairs:
@@ -207,7 +208,7 @@ class ChunkPipeline:
         with st.comm():
             for out, inp in pairs:
                 out.copy_(inp)
-        return st.mark_comm()
+        return st.mark_comm() if mark else None
 
     def a2a(self, out, inp, c: int, reverse: bool):
         """Dispatch direction (tokens to experts) or, reversed, combine direction. One rank:
@@ -466,7 +467,7 @@ class _PipelinedExperts(torch.autograd.Function):
                     if pipe.local:  # no combine to run under: dW_in and both slice copies
                         dw_in = wgrad_into(dw_in, dw_in_c[c], xg_c[c], gh, w_in, rows, offs)
                         if moves:  # beside the dX GEMM below (waited for once, at the end)
-                            pipe.copy_beside(moves)
+                            pipe.copy_beside(moves, mark=False)
                             moves.clear()
                             comm_used = True
                 gxg = mm("in_t", gh, w_in_t[c], rows, offs)
