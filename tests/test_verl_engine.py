@@ -350,6 +350,7 @@ def test_actor_rollout_ref_worker_compute_log_prob_and_update_actor(verl_env):
     actor = _actor_rollout_ref(path, "tiny", "actor")
     ref = _actor_rollout_ref(path, "tiny", "ref")
     assert isinstance(actor.actor.engine, LongMoEEngine) and isinstance(ref.ref.engine, LongMoEEngine)
+    assert ref.ref.engine.trainer.forward_only and not actor.actor.engine.trainer.forward_only
     batch = left_right_2_no_padding(td.clone())  # the trainer's _compute_old_log_prob
     tu.assign_non_tensor(batch, calculate_entropy=True, compute_loss=False)
     out = actor.compute_log_prob(batch)

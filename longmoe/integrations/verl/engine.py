@@ -100,7 +100,11 @@ class LongMoEEngine(BaseEngine):
     # ---- setup and modes -----------------------------------------------------------------------
 
     def initialize(self):
-        self.trainer = PolicyTrainer(self.run)
+        # verl's reference policy (forward_only): parameters stored in the compute dtype, no
+        # masters; log-probs bit for bit those of a full trainer (PolicyTrainer docs)
+        self.trainer = PolicyTrainer(self.run,
+                                     forward_only=bool(getattr(self.engine_config,
+                                                               "forward_only", False)))
         if self.optimizer_config is not None:
             self.schedule = RateSchedule(self.optimizer_config, self.run.optim.lr)
         if self.cp > 1:  # ranks of one CP index across data ranks; every rank makes every group
