@@ -280,7 +280,8 @@ def test_cpu_without_the_interpreter_keeps_the_eager_and_compiled_paths(monkeypa
     monkeypatch.setattr(causal_conv, "causal_conv_silu_triton",
                         lambda *a, **k: pytest.fail("the Triton conv ran on CPU"))
     compiled_fns = []
-    monkeypatch.setattr(deltanet, "compiled", lambda fn: compiled_fns.append(fn) or fn)
+    monkeypatch.setattr(deltanet, "compiled",
+                        lambda fn, **kw: compiled_fns.append(fn) or fn)
     layer = deltanet.GatedDeltaNet(get_preset("tiny-hybrid"))
     x = torch.randn(1, 9, layer.conv_dim)
     layer._conv(x)

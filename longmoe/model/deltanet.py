@@ -122,7 +122,10 @@ class GatedDeltaNet(nn.Module):
             return causal_conv_silu_triton(qkv_BSC, w_CK, halo_BKC, history_BS,
                                            split=(kd, kd, self.Hv * self.dv))
         if self._fused(qkv_BSC):
-            return compiled(causal_conv_silu)(qkv_BSC, w_CK, halo_BKC, history_BS)
+            # the token dim of x and history is symbolic: one graph for every row length
+            # (the halo's K-1 tokens are not a row's)
+            return compiled(causal_conv_silu, token_dims={0: 1, 3: 1})(qkv_BSC, w_CK, halo_BKC,
+                                                                       history_BS)
         if history_BS is not None:  # per-tap masks: F.conv1d has no way to take them
             return causal_conv_silu(qkv_BSC, w_CK, halo_BKC, history_BS)
         x = qkv_BSC.transpose(1, 2)  # eager: F.conv1d keeps only its input for backward
