@@ -1,8 +1,8 @@
 """Every compiled piece of the tiny hybrid model (Gated DeltaNet and gated attention layers, the
 GPU path run on CPU through the partitioner inductor uses) over packed rows of several lengths:
-how many forward and backward graphs each compiled function gets under full recompute, and the
+how many forward and backward graphs each compiled function gets under full recompute; the
 compiled causal conv, whose row length is symbolic, against the eager conv in fp64 at odd
-lengths, outputs and every gradient.
+lengths, outputs and every gradient; FlexAttention's forward graphs (static) per row length.
 
 Legend: B rows, T/S tokens of a row, C conv channels, K conv taps.
 """
@@ -162,3 +162,27 @@ def test_compiled_conv_on_rows_of_odd_lengths_equals_the_eager_conv(monkeypatch,
     finally:
         torch._dynamo.reset()
     assert _graphs_per_function(counts) == {"causal_conv_silu": (2, 2)}, counts
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_compiled_flex_forward_compiles_once_per_row_length():
+    """FlexAttention stays static-shaped: a new row length compiles it again, a new sample
+    layout at a length seen does not (forward only: torch has no FlexAttention backward on
+    CPU)."""
+    from longmoe.ops.document_attention import flex_document_attention
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    counts: dict = {}
+    backend = counting_backend(counts)
+    torch._dynamo.reset()
+    try:
+        for S, rows in ((128, [[100, 28], [64]]), (128, [[30, 98], [60, 4]]),
+                        (192, [[150, 42], [64]]), (256, [[200, 56], [64]])):
+            span = PackedRows.from_lengths(rows, S).span()
+            q, k, v = (torch.randn(2, S, h, 16, generator=gen) for h in (4, 2, 2))
+            with comp.forced(backend):
+                o = flex_document_attention(q, k, v, span)
+            want = flex_document_attention(q, k, v, span, compile=False)
+            assert rel_err(o, want) < TOLERANCE[torch.float32]
+    finally:
+        torch._dynamo.reset()
+    assert _graphs_per_function(counts) == {"flex_attention": (3, 0)}, counts

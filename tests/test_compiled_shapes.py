@@ -111,13 +111,18 @@ def test_packed_rows_of_new_lengths_reuse_the_row_pieces_graphs(monkeypatch):
 
 
 @pytest.mark.slow
-def test_row_pieces_under_inductor_take_any_row_length():
+def test_row_pieces_under_inductor_take_any_row_length(monkeypatch):
     """Inductor itself (CPU code here) on the symbolic token dim: one graph per piece over three
     row lengths, forward and backward, equal to the eager functions."""
-    from longmoe.model.deltanet import GatedRMSNorm
+    from longmoe.config import get_preset
+    from longmoe.model.deltanet import GatedDeltaNet, GatedRMSNorm
     from longmoe.model.layers import RMSNorm, norm_rope, rope_cos_sin
+    from longmoe.model.packing import PackedRows
     torch._dynamo.reset()
     norm, qk, gated = RMSNorm(24, 1e-6, True), RMSNorm(16, 1e-6, True), GatedRMSNorm(8, 1e-6)
+    conv = GatedDeltaNet(get_preset("tiny-hybrid"))  # its compiled conv (no Triton interpreter)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("LONGMOE_COMPILE_SHAPES", raising=False)
     with torch.no_grad():
         for m in (norm, qk, gated):
             m.weight.normal_()
@@ -136,6 +141,13 @@ def test_row_pieces_under_inductor_take_any_row_length():
             a, g = torch.randn(2, T, 3, 8), torch.randn(2, T, 3, 8)
             torch.testing.assert_close(gated(a, g, fused=True),
                                        gated_rms_norm(a, g, gated.weight, 1e-6))
-    graphs = [_graph_count(f) for f in (rms_norm, norm_rope, gated_rms_norm)]
+            x = torch.randn(2, T, conv.conv_dim, requires_grad=True)
+            history = PackedRows.from_lengths([[T // 3, T - T // 3], [T - 5]], T).history
+            y = conv._conv(x, history_BS=history)
+            gx, = torch.autograd.grad(y.square().sum(), x)
+            want = causal_conv_silu(x, conv.conv1d.weight[:, 0], None, history)
+            torch.testing.assert_close(y, want)
+            torch.testing.assert_close(gx, torch.autograd.grad(want.square().sum(), x)[0])
+    graphs = [_graph_count(f) for f in (rms_norm, norm_rope, gated_rms_norm, causal_conv_silu)]
     torch._dynamo.reset()
-    assert graphs == [1, 1, 1], graphs
+    assert graphs == [1, 1, 1, 1], graphs

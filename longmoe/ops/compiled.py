@@ -4,16 +4,40 @@ Inductor turns each chain into fused Triton kernels for whichever GPU is present
 function stays the reference and the CPU path. One compiled callable per function, shape mode
 and process.
 
-Shapes are static (`dynamic=False`) except the dims a caller names in `token_dims`: the row-wise
-pieces (RMSNorm, its fusion with RoPE, the gated norm) name the token dim of their activations,
-which dynamo then traces as one symbolic size (`torch._dynamo.maybe_mark_dynamic`), so packed
-rows of a new length reuse the graph instead of compiling it again. Everything else stays static:
-head counts and widths, and the pieces that do not name a dim (the compiled core, the compiled
-conv), which compile once per row length, up to RECOMPILE_LIMIT lengths per function. Torch's
-automatic dynamic shapes (`dynamic=None`, every dim that changes between calls made symbolic)
-stopped inside Triton 3.6's compiler in a packed run on an H200, so the model does not ask for it.
+Shapes are static (`dynamic=False`) except the dims a caller names in `token_dims`, which
+dynamo then traces as one symbolic size (`torch._dynamo.maybe_mark_dynamic`), so packed rows of
+a new length reuse the graph instead of compiling it again. Per compiled function, what a
+packed run compiles per row length:
+
+  rms_norm, norm_rope   token dim named: one graph each way for every length (norm_rope one
+                        per head count: q's and k's)
+  gated_rms_norm        token dim named: one graph each way
+  causal_conv_silu      token dims of x and the packed-row history named (the halo's K-1
+                        tokens stay static): one graph each way, two with context
+                        parallelism's halo (a halo or none). GPUs run it beside the compiled
+                        core; elsewhere the Triton conv (ops/kernels/causal_conv.py) takes its
+                        place
+  _chunk_terms,         static: one graph each way per row length (the compiled Gated DeltaNet
+  _chunk_output         core, `impl.gated_delta: chunked_compiled`). Its math is not per token:
+                        it pads T to whole 64-token chunks, and every reshape, batched GEMM and
+                        triangular solve takes the chunk count; inductor's GPU kernels for a
+                        symbolic chunk count have been neither compiled nor timed on a GPU
+                        (the static core's: 68.6 ms at 64K tokens, ops/gated_delta.py)
+  flex_attention        static: one forward graph per row length, whatever its samples
+                        (`impl.attention` flex, GPUs; varlen comes first): attention is not per
+                        token, its block mask counts 128-token blocks, and torch has no
+                        FlexAttention backward on CPU to check a symbolic form against
+
+Counted on CPU through the partitioner inductor uses (tests/test_compiled_rows.py: the tiny
+hybrid model, forward and backward under full recompute, packed rows of 128, 192 and 256 tokens;
+flex's forward alone); GPU compile times per graph have not been measured. A static-shaped piece
+keeps up to RECOMPILE_LIMIT lengths. Torch's automatic dynamic shapes (`dynamic=None`, every dim
+that changes between calls made symbolic) stopped inside Triton 3.6's compiler in a packed run
+on an H200, so the model does not ask for it.
 LONGMOE_COMPILE_SHAPES=static in the environment ignores `token_dims`: every row length then
 compiles its own graphs (the comparison for the first step's compile time in docs/packing.md).
+The conv's symbolic row length is checked on CPU only (inductor's CPU code included,
+tests/test_compiled_shapes.py); this switch gives it one graph per length again.
 
 `forced(backend)` (or LONGMOE_FORCE_COMPILE=<backend> in the environment, which reaches spawned
 ranks) runs the compiled path on any device with another torch.compile backend: tests use it on
