@@ -22,7 +22,9 @@ stream's all-to-alls run beside. Token chunks share every expert, so their weigh
 delayed to the end (and so are expert chunks' with wgrad="delayed"): each chunk's dgrad writes
 its operands into chunk-major buffers (the forward's expert inputs already sit in one); at the
 end both operands of each weight are gathered into expert-major order and one grouped GEMM per
-weight (a group per expert, all chunks' rows deep) runs under the last chunk's combine.
+weight (a group per expert, all chunks' rows deep) runs under the last chunk's combine. Each of
+those buffers is freed once its last read is issued (dY's rows and the SwiGLU output before dW_in's
+operands are gathered); only the compute stream reads them, so no stream needs recording.
 Per-chunk wgrads of token chunks would each write a weight-sized tensor (0.75 ms per chunk and
 weight for 128 local experts on an H200), and so would a (chunk, expert)-grouped GEMM's C
 partials plus their sum; scattering rows into an expert-major layout as each chunk finishes
@@ -250,13 +252,20 @@ def _experts_fwd(xg, w_in, w_out, rows, offs, mm: _Gemms, rows_impl):
     return h, mm("out", swiglu_forward(h, rows_impl), w_out, rows, offs)
 
 
-def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
+def _chunked_wgrad(operands: list, pipe: "ChunkPipeline", w, impl):
     """dW = sum over chunks of x_c^T dy_c per expert, from chunk-major operands: both operands
     gathered into expert-major order (each expert's rows of every chunk together), then one
     grouped GEMM with a group per expert and the full row count as its depth. The gather is one
     pass over the operands; the alternative, a group per (chunk, expert) and a sum of C
     weight-sized partials, re-reads the weights' size C times (on one H200 rank at 16K tokens,
-    256 experts, C = 4: 9.6 ms of sums and fp32 casts plus 1.5 ms of slower small-group GEMMs)."""
+    256 experts, C = 4: 9.6 ms of sums and fp32 casts plus 1.5 ms of slower small-group GEMMs).
+
+    `operands` = [x_all, dy_all] is emptied: where the caller holds no other reference, each
+    buffer is freed once its last read is issued (its gather, or the GEMM). Both are read on the
+    compute stream only, so the caching allocator hands their memory to later work on that
+    stream, ordered after those reads."""
+    x_all, dy_all = operands
+    operands.clear()
     plan = pipe.plan
     if x_all.shape[0] == 0:
         return torch.zeros_like(w)
@@ -265,8 +274,9 @@ def _chunked_wgrad(x_all, dy_all, pipe: "ChunkPipeline", w, impl):
     perm, sizes, offs = pipe.expert_major()
     if perm is None:
         return grouped_mm_wgrad(x_all, dy_all, sizes, w, impl, offs)
-    return grouped_mm_wgrad(x_all.index_select(0, perm), dy_all.index_select(0, perm), sizes, w,
-                            impl, offs)
+    x_all = x_all.index_select(0, perm)
+    dy_all = dy_all.index_select(0, perm)
+    return grouped_mm_wgrad(x_all, dy_all, sizes, w, impl, offs)
 
 
 def _zero_slice(dw, w, dw_c):
@@ -471,8 +481,8 @@ class _PipelinedExperts(torch.autograd.Function):
                             moves.clear()
                             comm_used = True
                 gxg = mm("in_t", gh, w_in_t[c], rows, offs)
-            else:
-                gxg, gw_e = gy, gy.new_zeros((0,), dtype=acc)
+            else:  # a fresh empty tensor: a view of gy kept in gx_A would keep gy_all alive
+                gxg, gw_e = g_TH.new_empty((0, H)), g_TH.new_zeros((0,), dtype=acc)
                 if now:  # no rows for these experts on this rank: their gradients are zero
                     dw_out = _zero_slice(dw_out, w_out, dw_out_c[c])
                     dw_in = _zero_slice(dw_in, w_in, dw_in_c[c])
@@ -487,20 +497,26 @@ class _PipelinedExperts(torch.autograd.Function):
             send = gw_e = buf = None
             if now and gh is not None and not pipe.local:  # dW_in under this chunk's combine
                 dw_in = wgrad_into(dw_in, dw_in_c[c], xg_c[c], gh, w_in, rows, offs)
-            gh = None
+            # Delayed: gy, gh and a are views of the layer's buffers; kept past the loop they
+            # would hold those buffers until the backward returns.
+            gy = gh = a = None
             if c + 2 < C:
                 dispatch(c + 2)
             if c and not by_e:
                 accumulate(c - 1)
         if not now:  # the layer's weight gradients run under the last chunk's combine
-            dw_out = _chunked_wgrad(a_all, gy_all, pipe, w_out, impl)
-            del a_all, gy_all
-            dw_in = _chunked_wgrad(xg_all, gh_all, pipe, w_in, impl)
-            del gh_all, gh_c
+            # Only these lists hold the operand buffers from here (the per-chunk views are
+            # dropped), so each is freed once its last read is issued: dY's rows and the SwiGLU
+            # output before dW_in's operands are gathered. None of them reaches the comm stream.
+            ops_out, ops_in = [a_all, gy_all], [xg_all, gh_all]
+            del a_all, gy_all, gh_all, gy_c, gh_c, a_c
+            dw_out = _chunked_wgrad(ops_out, pipe, w_out, impl)
+            dw_in = _chunked_wgrad(ops_in, pipe, w_in, impl)
         if by_e:  # each token's dX rows came back over several chunks: sum them now
             st.compute_waits(c_mark[C - 1])
             gather_sum_parts(gx_A if pipe.local else gx_A[:1], pipe.tk_all, None, K, out=gx_TH,
                              impl=pipe.rows_impl)
+            gx_A.clear()  # read on the compute stream, after it waited for the last combine
         else:
             accumulate(C - 1)
         if comm_used:  # the router weights' rows and any dW slice copies
