@@ -24,6 +24,7 @@ def test_world2_step_matches_world1(kw):
     assert len(res.errors) > 20  # loss, aux and every parameter's gradient were compared
 
 
+@pytest.mark.slow  # over 10 s on two cores
 def test_world4_ep2_fsdp2_matches_world1():
     # EP=2 x FSDP over the 2 ranks left: experts are sharded by FSDP too.
     seed = random.randrange(2**31)

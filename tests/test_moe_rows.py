@@ -23,6 +23,7 @@ def test_gather_sum_rejects_a_ragged_top_k():
         gather_sum(torch.zeros(4, 2), torch.arange(4), None, 3)
 
 
+@pytest.mark.slow  # over 10 s on two cores
 def test_triton_rows_under_interpreter():
     # Fresh seeds; odd H and F tile the host configs (16, 8) with masked tails; K = 1; one token.
     code = ("import json, random, torch\n"

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -58,6 +59,7 @@ def _mean_logprobs(tmp_path, name, *sets):
     return [json.loads(ln)["mean_logprob"] for ln in out.read_text().splitlines()]
 
 
+@pytest.mark.slow  # over 10 s on two cores
 def test_bf16_without_fsdp_trains_like_fsdp_mixed_precision(tmp_path):
     # Same bf16 compute, fp32 optimizer state either way; they differ only in where gradients
     # are rounded (bf16 autograd buffers here, fp32 reduce in FSDP), so the policy's mean
