@@ -41,17 +41,22 @@ def _two_ranks(rank, world, backend, path, data, budget, ckpt):
     return lp, out["loss"], out["grad_norm"], (after, resumed)
 
 
+def _direct(tmp, prompt_side, seed):
+    """One process's PolicyTrainer on the whole batch: (samples, verl's batch with old
+    log-probs, the log-probs, the first step's forward_backward and optim_step results)."""
+    pt, path = reference("tiny", tmp)
+    samples, td = ragged(pt.run.model.vocab_size, prompt_side, n=4, seed=seed)
+    td, with_old = _train_inputs(pt, td, samples)
+    want_lp = pt.compute_logprobs(samples)
+    return path, samples, td, want_lp, pt.forward_backward(with_old), pt.optim_step()
+
+
 def test_two_gloo_ranks_ep2_equal_one_process(verl_env):
     """2 gloo ranks (EP 2 x FSDP2), each with its half of the batch through verl's worker: the
     log-probs, and the train step's loss and gradient norm, equal one process's PolicyTrainer
     on the whole batch; a checkpoint saved and loaded on both ranks gives the same next step."""
     from longmoe.api import run_local
-    pt, path = reference("tiny", verl_env)
-    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=5)
-    td, with_old = _train_inputs(pt, td, samples)
-    want_lp = pt.compute_logprobs(samples)
-    want = pt.forward_backward(with_old)
-    want_step = pt.optim_step()
+    path, samples, td, want_lp, want, want_step = _direct(verl_env, "left", 5)
     data = {k: td[k] for k in td.keys()}
     got = run_local(_two_ranks, 2, str(path), data, 20, str(verl_env / "ckpt-ep2"))
     lp = torch.cat([g[0] for g in got])
@@ -107,12 +112,7 @@ def test_gloo_ranks_cp2_equal_one_process(verl_env, ep):
     statistics, equal one process's PolicyTrainer on the whole batch; a checkpoint saved and
     loaded on every rank gives the same next step."""
     from longmoe.api import run_local
-    pt, path = reference("tiny", verl_env)
-    samples, td = ragged(pt.run.model.vocab_size, "right", n=4, seed=8)
-    td, with_old = _train_inputs(pt, td, samples)
-    want_lp = pt.compute_logprobs(samples)
-    want = pt.forward_backward(with_old)
-    want_step = pt.optim_step()
+    path, samples, td, want_lp, want, want_step = _direct(verl_env, "right", 8)
     world = 2 * ep
     got = run_local(_cp_ranks, world, str(path), {k: td[k] for k in td.keys()}, 24, ep,
                     str(verl_env / f"ckpt-cp2-ep{ep}"))

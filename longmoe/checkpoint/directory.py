@@ -179,7 +179,7 @@ def holds_checkpoints(root: Path) -> str | None:
 def remove_stale_tmp(root: Path) -> list[str]:
     """Leftovers of saves that died (`*.tmp-*`). Only for the lock holder: nobody else writes."""
     removed = []
-    named = _named(root)
+    named = pointer_name(root)
     for stale in sorted(root.glob("*.tmp-*")):
         if stale.name == named:  # a step's old copy that a killed re-save left named
             continue
@@ -191,7 +191,7 @@ def remove_stale_tmp(root: Path) -> list[str]:
     return removed
 
 
-def _named(root: Path) -> str | None:
+def pointer_name(root: Path) -> str | None:
     """What `latest` holds, unchecked (None when it cannot be read)."""
     try:
         return (root / POINTER).read_text().strip()
@@ -200,9 +200,9 @@ def _named(root: Path) -> str | None:
 
 
 def remove_step_dir(root: Path, name: str):
-    """Renamed to a tmp name first (made durable before anything inside goes), so a kill
-    mid-removal leaves debris the next lock holder removes, never a published directory with
-    files missing."""
+    """root/name (a step directory, or a whole checkpoint directory) renamed to a tmp name first
+    (made durable before anything inside goes), so a kill mid-removal leaves debris, never a
+    published directory with files missing."""
     doomed = root / f"{name}.tmp-removed-{uuid.uuid4().hex[:8]}"
     os.replace(root / name, doomed)
     fsync_dir(root)
@@ -233,7 +233,7 @@ def remove_oldest(root: Path, keep: int, written: Path) -> list[str]:
     m = _STEP.fullmatch(written.name)
     if m is None:
         raise ValueError(f"{written} is not a published step directory")
-    spared, newest = {written.name, _named(root)}, int(m.group(1))
+    spared, newest = {written.name, pointer_name(root)}, int(m.group(1))
     removed = []
     for step in published_steps(root)[:-keep]:
         name = step_name(step)

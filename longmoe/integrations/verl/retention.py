@@ -12,12 +12,10 @@ writes beside them, and `latest` when it names one of those (it would name nothi
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 
-from longmoe.checkpoint.directory import POINTER, fsync_dir, remove_step_dir
+from longmoe.checkpoint.directory import POINTER, pointer_name, remove_step_dir
 from longmoe.errors import UserError
 
 
@@ -58,24 +56,11 @@ class SavedPaths:
         return [(key, *self._paths.pop(key)) for key in old]
 
 
-def remove_created(path: Path) -> None:
-    """A directory the engine created: renamed aside (durably) first, so a kill leaves a
-    `NAME.tmp-removed-*` beside it rather than a checkpoint directory with files missing."""
-    doomed = path.with_name(f"{path.name}.tmp-removed-{uuid.uuid4().hex[:8]}")
-    os.replace(path, doomed)
-    fsync_dir(path.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def remove_written(path: Path, steps: set[str], files: tuple[str, ...]) -> None:
     """In a directory that existed before: `latest` first when it names one of ours (a kill then
     leaves step directories without a pointer, which a load names, never a pointer to a
     half-removed one), then each step directory (renamed first), then `files`."""
-    try:
-        named = (path / POINTER).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        named = None
-    if named in steps:
+    if pointer_name(path) in steps:
         (path / POINTER).unlink(missing_ok=True)
     for name in sorted(steps):
         if (path / name).is_dir():
@@ -97,8 +82,8 @@ def remove_old(entries, release, files: tuple[str, ...], rank0: bool) -> None:
             release(path)
         if rank0:
             try:
-                if created:
-                    remove_created(path)
+                if created:  # renamed aside first: a kill leaves NAME.tmp-removed-* beside it
+                    remove_step_dir(path.parent, path.name)
                 else:
                     remove_written(path, steps, files)
             except OSError as e:
