@@ -7,6 +7,7 @@
 # (OUT= to write elsewhere); logs go to LOGS (default bench-out/).
 # The peers are optional imports: install liger-kernel and cut-cross-entropy to time them.
 set -uo pipefail
+. "$(dirname "$0")/_preflight.sh"
 OUT=${OUT:-results/h200}
 LOGS=${LOGS:-bench-out}
 CHUNKS=${CHUNKS:-0}

@@ -11,6 +11,7 @@
 # PART=3: the router's GEMMs alone and inside the layer (router_gemm.json, router_in_layer_*.json),
 #         the source-major expert compute (source_major_experts.json).
 set -uo pipefail
+. "$(dirname "$0")/_preflight.sh"
 OUT=${OUT:-results/h200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -8,6 +8,7 @@
 # OUT/trace_rank0.json.gz and OUT/step_kernels.json (+ .md, bench/trace_kernels.py).
 # STEPS (default 4), LAYERS (default 40), TOKENS (default 32768); logs and metrics in LOGS.
 set -uo pipefail
+. "$(dirname "$0")/_preflight.sh"
 OUT=${OUT:-bench-out}
 LOGS=${LOGS:-$OUT/logs}
 mkdir -p "$OUT" "$LOGS"

@@ -9,6 +9,7 @@
 # reload round trip after the cases (memory freed, seconds, state unchanged). Needs verl and what
 # it imports (the verl extra) on top of the GPU image.
 set -uo pipefail
+. "$(dirname "$0")/_preflight.sh"
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
