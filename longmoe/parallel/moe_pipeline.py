@@ -65,8 +65,7 @@ from __future__ import annotations
 import torch
 
 from longmoe.ops.grouped_mm import GROUPED_MM, grouped_mm_wgrad, wgrad_fn
-from longmoe.ops.moe_rows import (gather_scale, gather_sum, gather_sum_parts, swiglu_backward,
-                                  swiglu_forward)
+from longmoe.ops.moe_rows import MOE_ROWS, gather_sum_parts
 from longmoe.parallel.routing import RoutePlan, inverse_permutation, source_major_to_expert_major
 
 
@@ -84,7 +83,7 @@ class ChunkPipeline:
         self.transport, self.streams = transport, streams
         self.rows_impl = rows_impl  # the gather/SwiGLU row kernels (ops/moe_rows.py)
         self.wgrad = wgrad
-        self._metas = self._table = None
+        self._metas = self._table = self._rows = None
         # An EP group of one: the all-to-alls move nothing (see the module docstring).
         self.local = bool(plan.send) and len(plan.send[0]) == 1
 
@@ -109,9 +108,20 @@ class ChunkPipeline:
         """y_partial + y_fill + the pending last chunk, once its combine has landed."""
         return _FinishCombine.apply(y_partial, y_fill, self)
 
+    def rows(self, x: torch.Tensor):
+        """The row kernels (ops/moe_rows.py: TorchRows or TritonRows), chosen once per layer from
+        its first row tensor (the choice depends on device and dtype, the layer's for every
+        chunk) rather than at each of a chunk's three calls. The pipeline's row tensors are all
+        row-major (fresh GEMM outputs, contiguous gradients, dim-0 slices of contiguous
+        buffers), which is what the per-call wrappers would otherwise check."""
+        if self._rows is None:
+            self._rows = MOE_ROWS.select(self.rows_impl, x).fn
+        return self._rows
+
     def dispatch_grad(self, g_TH, c: int, metas, recv, marks):
-        """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks."""
-        g_rows, _ = gather_scale(g_TH, metas[c][0], self.w_A_c[c], impl=self.rows_impl)
+        """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks.
+        g_TH is contiguous (both callers make it so)."""
+        g_rows, _ = self.rows(g_TH).gather_scale(g_TH, metas[c][0], self.w_A_c[c], None)
         if self.local:  # the rows are already where the experts read them
             recv[c], marks[c] = g_rows, None
             return
@@ -245,11 +255,11 @@ class _Gemms:
         return fn(x, w, rows, offs)
 
 
-def _experts_fwd(xg, w_in, w_out, rows, offs, mm: _Gemms, rows_impl):
+def _experts_fwd(xg, w_in, w_out, rows, offs, mm: _Gemms, pipe: ChunkPipeline):
     if xg.shape[0] == 0:
         return xg.new_empty((0, w_in.shape[2])), xg.new_empty((0, w_out.shape[2]))
     h = mm("in", xg, w_in, rows, offs)
-    return h, mm("out", swiglu_forward(h, rows_impl), w_out, rows, offs)
+    return h, mm("out", pipe.rows(h).swiglu(h), w_out, rows, offs)
 
 
 def _chunked_wgrad(operands: list, pipe: "ChunkPipeline", w, impl):
@@ -321,8 +331,8 @@ class _PipelinedExperts(torch.autograd.Function):
         def accumulate(c):
             st.compute_waits(c_mark[c])
             s, e = plan.bounds[c]
-            gather_sum(comb[c], metas[c][3], w_TK[s * K:e * K], K, out=y_TH[s:e],
-                       impl=pipe.rows_impl)
+            pipe.rows(y_TH).gather_sum(comb[c], metas[c][3], w_TK[s * K:e * K], K, y_TH[s:e],
+                                       False)
             comb[c] = None
 
         for c in range(min(2, C)):
@@ -334,7 +344,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 torch.index_select(recv[c], 0, metas[c][1], out=xg)
             recv[c] = None
             h, yg = _experts_fwd(xg, w_in_c[c], w_out_c[c], tab["rows"][c], tab["offs"][c], mm,
-                                 pipe.rows_impl)
+                                 pipe)
             a0, a1 = pipe.arange(c)
             send = yg if pipe.local else yg[metas[c][2]]
             yg = None  # its gathered copy is what the comm stream sends
@@ -413,7 +423,7 @@ class _PipelinedExperts(torch.autograd.Function):
         def accumulate(c):
             st.compute_waits(c_mark[c])
             s, e = plan.bounds[c]
-            gather_sum(gx_A[c], metas[c][3], None, K, out=gx_TH[s:e], impl=pipe.rows_impl)
+            pipe.rows(gx_TH).gather_sum(gx_A[c], metas[c][3], None, K, gx_TH[s:e], False)
             gx_A[c] = None
 
         def combine_buffer(c, send):
@@ -468,8 +478,8 @@ class _PipelinedExperts(torch.autograd.Function):
                 # expert side gy = w g, so <gy, a W_out> = <gy W_out^T, a> = <ga, a> = w <g, y>:
                 # a row dot over F of two tensors the dgrad already made, no GEMM, no kept y
                 # (with the Triton rows kernels, in the SwiGLU backward's own pass).
-                gh, a, gw_e = swiglu_backward(hs[c], ga, out=None if now else (gh, a),
-                                              with_dot=True, impl=pipe.rows_impl)
+                gh, a, gw_e = pipe.rows(ga).swiglu_backward(hs[c], ga, None if now else (gh, a),
+                                                            True)
                 ga = None
                 if now:  # dW_out now: gy and a are dead before dX's rows are allocated
                     dw_out = wgrad_into(dw_out, dw_out_c[c], a, gy, w_out, rows, offs)
