@@ -225,13 +225,13 @@ def _backward_peak_moments(wgrad, chunks, by, T, K, H, F, E) -> dict[str, int]:
     if by == "tokens" and chunks > 1:  # dW at the end for either setting; C = 3 here
         r0, r1, r2 = (K * (e - s) for s, e in chunk_bounds(T, chunks))
         return {
-            # step 1 combines chunk 0: chunks 0 and 1's dX rows, chunk 2's gradient rows (sent
-            # at step 0), chunk 0's gathered rows and their sum
-            "combine 0": operands + tok + rows(H, r0 + r1) + rows(H, r2) + rows(H, r0)
-            + 4 * (r0 // K) * H,
+            # step 1 combines chunk 0: chunks 0 and 1's dX rows, chunk 0's gathered rows and
+            # their sum (every chunk's gradient rows were gathered into dY's operand buffer)
+            "combine 0": operands + tok + rows(H, r0 + r1) + rows(H, r0) + 4 * (r0 // K) * H,
             # dW_out's expert-major gathers: the SwiGLU output's copy replaces its buffer, dY's
-            # is made beside its buffer; chunk 2's dX rows wait for their combine
-            "dW_out": operands + rows(H) + tok + rows(H, r2)}
+            # is made beside its buffer, both through one int64 index; chunk 2's dX rows wait
+            # for their combine
+            "dW_out": operands + rows(H) + 8 * T * K + tok + rows(H, r2)}
     # The combine at the end: every chunk's dX rows, dX, dW, the gathered rows and their sum
     end = rows(H) + tok + dw + rows(H) + tok + (rows(H) if chunks > 1 else 0)
     if chunks > 1:
@@ -254,8 +254,10 @@ def test_backward_peak_is_what_each_wgrad_schedule_must_hold(chunks, by):
     # read is issued. The measured peak of each, exact tensor bytes on one rank, is the larger of
     # the moments above, so a buffer held longer than its last read fails it. Measured (MiB;
     # T 2048, K 2, H 256, F 64, 8 experts): C = 1 auto 13.52, delayed 17.02; C = 4 expert chunks
-    # 17.52 both (the CPU combine's copies dominate); C = 3 token chunks 15.01 both. Keeping dY's
-    # and the SwiGLU output's buffers to the end of the backward adds 5 MiB to the delayed runs.
+    # 17.52 both (the CPU combine's copies dominate); C = 3 token chunks 14.38 both (15.01 while
+    # each chunk's gradient rows were gathered apart from dY's buffer and copied in). Keeping
+    # dY's and the SwiGLU output's buffers to the end of the backward adds 5 MiB to the delayed
+    # runs.
     from longmoe.backends.streams import HostStreams
     from longmoe.config import get_preset
     from longmoe.model.moe import MoE

@@ -41,20 +41,22 @@ inside the layer (each would be a stream synchronisation).
 One rank (an EP group of one, e.g. the pipeline timed on a single device): no all-to-all moves a
 row, so none is issued, and the source-major <-> expert-major gathers, identities with one
 source, are skipped. One index_select gathers every chunk's tokens straight into the
-expert-input buffer they share; each chunk's expert outputs and dX rows stay where its GEMMs
-wrote them, and the combines read them there (gather_sum_parts: one kernel over up to four
-chunks' buffers). On an H200 at 16K tokens the transfers and gathers were 8 full passes over the
-rows per layer step (+28% at C = 1), and copying each chunk's rows into one buffer cost 0.5 ms
-at C = 2. Each in-chunk weight gradient's slice copy (below) runs on the idle comm stream,
-issued before the chunk's dX GEMM so that it runs beside it (the last chunk's copies then end
-under the layer's own work, not after it).
+expert-input buffer they share, and in the backward one gather_scale every chunk's gradient
+rows (as is, the delayed schedule's dY operand: no copy into it); each chunk's expert outputs
+and dX rows stay where its GEMMs wrote them, and the combines read them there
+(gather_sum_parts: one kernel over up to four chunks' buffers). On an H200 at 16K tokens the
+transfers and gathers were 8 full passes over the rows per layer step (+28% at C = 1), and
+copying each chunk's rows into one buffer cost 0.5 ms at C = 2. Each in-chunk weight
+gradient's slice copy (below) runs on the idle comm stream, issued before the chunk's dX GEMM
+so that it runs beside it (the last chunk's copies then end under the layer's own work, not
+after it).
 
 Host time: a chunk issues its kernels and little else. The per-chunk views (weights, offsets,
-row buffers, routing weights) come from one split per tensor and layer, the grouped-GEMM and
-weight-gradient implementations are chosen once per layer, and one rank concatenates the router
-weights' gradient rows once instead of copying each chunk's. At 16K tokens an H200 runs each
-chunk's GEMMs in 0.1-0.3 ms, so a layer with several chunks runs near the host's pace
-(docs/primitives/chunked_ep.md).
+row buffers, routing weights) come from one split per tensor and layer, the grouped-GEMM,
+weight-gradient and row-kernel implementations are chosen once per layer, and one rank
+concatenates the router weights' gradient rows once instead of copying each chunk's. At 16K
+tokens an H200 runs each chunk's GEMMs in 0.1-0.3 ms, so a layer with several chunks runs near
+the host's pace (docs/primitives/chunked_ep.md).
 
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
@@ -118,13 +120,22 @@ class ChunkPipeline:
             self._rows = MOE_ROWS.select(self.rows_impl, x).fn
         return self._rows
 
+    def dispatch_grads(self, g_TH, metas, recv, marks):
+        """The backward's first gradient dispatches (chunks 0 and 1; the rest follow behind
+        the combines). One rank: every chunk's rows in one gather, as the forward gathers its
+        inputs, split per chunk (the rows are already where the experts read them); that
+        buffer is returned (None otherwise). g_TH is contiguous (both callers make it so)."""
+        if self.local:
+            g_rows, _ = self.rows(g_TH).gather_scale(g_TH, self.tok_A, self.w_A, None)
+            recv[:] = self.split_rows(g_rows)
+            return g_rows
+        for c in range(min(2, len(recv))):
+            self.dispatch_grad(g_TH, c, metas, recv, marks)
+        return None
+
     def dispatch_grad(self, g_TH, c: int, metas, recv, marks):
-        """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks.
-        g_TH is contiguous (both callers make it so)."""
+        """Gradient rows of chunk c (scaled by the routing weights) to the experts' ranks."""
         g_rows, _ = self.rows(g_TH).gather_scale(g_TH, metas[c][0], self.w_A_c[c], None)
-        if self.local:  # the rows are already where the experts read them
-            recv[c], marks[c] = g_rows, None
-            return
         recv[c] = g_TH.new_empty((self.table()["nrows"][c], g_TH.shape[1]))
         marks[c] = self.a2a(recv[c], g_rows, c, reverse=False)
 
@@ -396,7 +407,12 @@ class _PipelinedExperts(torch.autograd.Function):
         w_in_t, w_out_t = pipe.split_experts(w_in.transpose(1, 2)), \
             pipe.split_experts(w_out.transpose(1, 2))
         xg_c = pipe.split_rows(xg_all)
-        recv, d_mark = (started[1], started[2]) if started else ([None] * C, [None] * C)
+        recv, d_mark, g_all = started[1:] if started else ([None] * C, [None] * C, None)
+        if not started:
+            g_all = pipe.dispatch_grads(g_TH, metas, recv, d_mark)
+        # One rank: g_all holds every chunk's gradient rows (recv their views); only the delayed
+        # schedule keeps it past the chunk loop, as its dY operand.
+        started = None
         c_mark = [None] * C
         rs = tab["rs"]
         by_e, now = pipe.by_experts, pipe.wgrad_in_chunks()
@@ -412,13 +428,18 @@ class _PipelinedExperts(torch.autograd.Function):
         else:
             # Delayed: every chunk's operands, chunk-major, written in place as each chunk's
             # dgrad produces them; one weight-gradient GEMM per weight at the end of the layer.
-            gy_all = g_TH.new_empty((rs[-1].stop, H))
+            # One rank: dY's rows were gathered into one such buffer already.
+            gy_all = g_all if pipe.local else g_TH.new_empty((rs[-1].stop, H))
             gh_all = g_TH.new_empty((rs[-1].stop, w_in.shape[2]))
             a_all = g_TH.new_empty((rs[-1].stop, w_out.shape[1]))
-            gy_c, gh_c, a_c = (pipe.split_rows(t) for t in (gy_all, gh_all, a_all))
+            gy_c = recv if pipe.local else pipe.split_rows(gy_all)
+            gh_c, a_c = pipe.split_rows(gh_all), pipe.split_rows(a_all)
+
+        g_all = None
 
         def dispatch(c):
-            pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
+            if not pipe.local:  # one rank: every chunk's rows are in place already
+                pipe.dispatch_grad(g_TH, c, metas, recv, d_mark)
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
@@ -456,9 +477,6 @@ class _PipelinedExperts(torch.autograd.Function):
                 dw_c.copy_(d)
             return dw
 
-        for c in range(min(2, C)):
-            if d_mark[c] is None and recv[c] is None:
-                dispatch(c)
         for c in range(C):
             st.compute_waits(d_mark[c])
             rows, offs = tab["rows"][c], tab["offs"][c]
@@ -467,9 +485,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 gh = a = None
             else:
                 gy, gh, a = gy_c[c], gh_c[c], a_c[c]
-                if pipe.local:
-                    gy.copy_(recv[c])
-                else:
+                if not pipe.local:  # one rank: recv[c] is gy already
                     torch.index_select(recv[c], 0, metas[c][1], out=gy)
             recv[c] = None
             if gy.shape[0]:
@@ -564,7 +580,5 @@ class _FinishCombine(torch.autograd.Function):
         g = g.contiguous()
         metas = pipe.metas()
         recv, marks = [None] * C, [None] * C
-        for c in range(min(2, C)):
-            pipe.dispatch_grad(g, c, metas, recv, marks)
-        pipe.bwd_started = (g, recv, marks)
+        pipe.bwd_started = (g, recv, marks, pipe.dispatch_grads(g, metas, recv, marks))
         return g, g, None
