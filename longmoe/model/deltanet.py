@@ -20,6 +20,7 @@ from longmoe.config import ModelConfig
 from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.gated_delta import gated_delta_rule
 from longmoe.ops.kernels import triton_ready
+from longmoe.ops.norm import norm_ops
 
 
 def causal_conv_silu(x_BSC, w_CK, halo_BKC=None, history_BS=None):
@@ -55,16 +56,21 @@ def gated_rms_norm(x, gate, weight, eps: float, dtype=None):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over the head dim (weight initialised to one), then times SiLU(gate)."""
+    """RMSNorm over the head dim (weight initialised to one), then times SiLU(gate). `fused`:
+    through the "norm" registry (ops/norm.py, `impl` = impl.norm: our Triton kernels on GPUs,
+    or torch.compile's); else the eager function."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.impl = "auto"
 
     def forward(self, x, gate, fused: bool = False, dtype=None):
-        fn = compiled(gated_rms_norm, token_dims={0: 1, 1: 1}) if fused else gated_rms_norm
-        return fn(x, gate, self.weight, self.eps, dtype)
+        if not fused:
+            return gated_rms_norm(x, gate, self.weight, self.eps, dtype)
+        ops = norm_ops(self.impl, x, self.weight, gate=gate)
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps, dtype)
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
@@ -100,7 +106,8 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
 
     def _fused(self, x) -> bool:
-        """Compile the conv and the gated norm on GPUs, unless an eager core was asked for."""
+        """Compile the conv on GPUs where our conv kernels do not run, unless an eager core was
+        asked for."""
         return self.impl not in ("chunked", "reference") and not compile_unavailable(x.device)
 
     def _conv(self, qkv_BSC, halo_BKC=None, history_BS=None):
@@ -161,7 +168,8 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split(self._conv(qkv))
             o, _ = gated_delta_rule(q, k, v, g, beta, impl=self.impl, out_dtype=x_BSH.dtype)
         z = self.in_proj_z(x_BSH).reshape(B, S, self.Hv, self.dv)
-        o = self.norm(o, z, fused=self._fused(x_BSH), dtype=x_BSH.dtype)
+        # the registry's norm (impl.norm) unless an eager core was asked for
+        o = self.norm(o, z, fused=self.impl not in ("chunked", "reference"), dtype=x_BSH.dtype)
         return self.out_proj(o.reshape(B, S, -1))
 
     def _forward_cp(self, qkv_BsC, g_BsV, beta_BsV, packing=None):

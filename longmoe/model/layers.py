@@ -10,7 +10,7 @@ from torch import nn
 
 from longmoe.config import ModelConfig
 from longmoe.ops.attention import Attention as SDPA
-from longmoe.ops.compiled import compile_unavailable, compiled
+from longmoe.ops.norm import norm_ops
 
 
 def rms_norm(x, weight, eps: float, unit_offset: bool):
@@ -23,26 +23,26 @@ def rms_norm(x, weight, eps: float, unit_offset: bool):
 
 
 class RMSNorm(nn.Module):
-    """On GPUs rms_norm runs compiled (one fused kernel each way; eagerly its fp32 casts, powers
-    and products took ~0.1 s of a 1.5 s step at 64K tokens on an H200); elsewhere eagerly. The
-    token dim is symbolic in the compiled graphs (ops.compiled's `token_dims`): packed rows of any
-    length share them."""
+    """rms_norm through the "norm" registry (ops/norm.py, `impl` = impl.norm): on GPUs our Triton
+    kernels, one each way (eagerly its fp32 casts, powers and products took ~0.1 s of a 1.5 s
+    step at 64K tokens on an H200), or torch.compile's (impl.norm=compiled); on CPU eagerly."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.impl = "auto"
 
     def forward(self, x):
-        fn = rms_norm if compile_unavailable(x.device) else compiled(rms_norm, token_dims={0: -2})
-        return fn(x, self.weight, self.eps, self.unit_offset)
+        return norm_ops(self.impl, x, self.weight).rms_norm(x, self.weight, self.eps,
+                                                            self.unit_offset)
 
     def with_rope(self, x_BSND, cos, sin):
-        """The norm, then RoPE (apply_rope): on GPUs one compiled piece, so the rotation's
-        slices and concatenations fuse into the norm's kernel instead of copying q and k."""
-        fn = norm_rope if compile_unavailable(x_BSND.device) else \
-            compiled(norm_rope, token_dims={0: 1, 4: -2, 5: -2})  # cos/sin: [S, R] or [B, S, R]
-        return fn(x_BSND, self.weight, self.eps, self.unit_offset, cos, sin)
+        """The norm, then RoPE (apply_rope) as one piece, so the rotation's slices and
+        concatenations fuse into the norm's kernel instead of copying q and k. x may be a
+        strided view (q beside the output gate): the Triton kernels read it in place."""
+        ops = norm_ops(self.impl, x_BSND, self.weight, cos=cos, sin=sin)
+        return ops.norm_rope(x_BSND, self.weight, self.eps, self.unit_offset, cos, sin)
 
     def reset_parameters(self):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)

@@ -111,6 +111,10 @@ class ImplConfig:
     # The router's logits GEMM (ops/router_matmul.py): auto | mixed (one bf16 GEMM with fp32
     # output) | reference (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
     router_matmul: str = "auto"
+    # The RMS norms (RMSNorm, the q/k norm with RoPE, the Gated DeltaNet's gated norm; ops/norm.py):
+    # auto (triton on GPUs, the eager reference on CPU) | triton | compiled (torch.compile) |
+    # reference.
+    norm: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32
     # tensor cores (10-bit mantissa, finer than the bf16 inputs; on an H200 at 16K-64K tokens the
@@ -128,10 +132,11 @@ class ImplConfig:
         from longmoe.ops import GROUPED_MM, LINEAR_CE, POLICY_LOSS, RECOMPUTE
         from longmoe.ops.gated_delta import GATED_DELTA
         from longmoe.ops.moe_rows import MOE_ROWS
+        from longmoe.ops.norm import NORM
         from longmoe.ops.router_matmul import ROUTER_MATMUL
         for field, reg, extra in (("linear_ce", LINEAR_CE, ()), ("grouped_mm", GROUPED_MM, ()),
                                   ("gated_delta", GATED_DELTA, ()), ("recompute", RECOMPUTE, ()), ("moe_rows", MOE_ROWS, ()),
-                                  ("router_matmul", ROUTER_MATMUL, ()),
+                                  ("router_matmul", ROUTER_MATMUL, ()), ("norm", NORM, ()),
                                   ("policy_loss", POLICY_LOSS, ("unfused",))):
             reg.check_name(getattr(self, field), f"impl.{field}", extra)
         from longmoe.ops.attention import IMPL_NAMES

@@ -17,8 +17,8 @@ from longmoe.model.transformer import MoETransformer
 from longmoe.ops.recompute import apply_recompute
 from longmoe.parallel.context_parallel import ContextParallel
 from longmoe.backends import active_backend
-from longmoe.model.deltanet import GatedDeltaNet
-from longmoe.model.layers import Attention
+from longmoe.model.deltanet import GatedDeltaNet, GatedRMSNorm
+from longmoe.model.layers import Attention, RMSNorm
 from longmoe.ops.attention import Attention as SDPA
 from longmoe.tuning import resolve_chunks, resolve_transport
 from longmoe.parallel.expert_parallel import ExpertDispatcher
@@ -59,6 +59,8 @@ def build_model(run: RunConfig, layout: Layout, device: torch.device) -> MoETran
             m.impl = run.impl.gated_delta
         if isinstance(m, Attention):
             m.sdpa = SDPA(run.impl.attention)
+        if isinstance(m, (RMSNorm, GatedRMSNorm)):
+            m.impl = run.impl.norm
     for moe in model.moe_layers():
         moe.experts.impl = run.impl.grouped_mm
         moe.router.matmul = run.impl.router_matmul
