@@ -22,32 +22,43 @@ from longmoe.data.sample import Sample
 from longmoe.errors import UserError
 
 
-def sequences(micro_batch) -> tuple[torch.Tensor, list[int]]:
-    """(token values [total] int64 on the host, offsets [bsz + 1]) of a micro-batch's nested
-    input_ids, after checking that its positions are the plain 0..len-1 of each sequence."""
-    ids = micro_batch["input_ids"]
+def check_sequences(data) -> None:
+    """Once per batch, on the host: input_ids is verl's no-padding nested tensor, every sequence
+    has a prompt token and a response token, and its positions are the plain 0..len-1 of each
+    sequence (longmoe derives positions from sample boundaries)."""
+    ids = data["input_ids"]
     if not getattr(ids, "is_nested", False):
         raise UserError("longmoe engine: input_ids must be verl's no-padding nested tensor "
                         "(left_right_2_no_padding); got a padded tensor")
-    offsets = ids.offsets().tolist()
-    values = ids.values().detach().cpu().long()
-    pos = micro_batch.get("position_ids", None)
-    if pos is not None:
-        if pos.dim() != 2:
-            raise UserError(f"longmoe engine: position_ids must be one position per token "
-                            f"(text models); got {pos.dim()}-D positions (multimodal RoPE is "
-                            f"not supported)")
-        have = pos.values().detach().cpu().long()
-        want = torch.cat([torch.arange(b - a) for a, b in zip(offsets, offsets[1:])])
-        if have.shape != want.shape or not torch.equal(have, want):
-            raise UserError("longmoe engine: position_ids must restart at 0 and count up by one "
-                            "within each sequence (longmoe derives positions from sample "
-                            "boundaries)")
-    for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
-        if b - a < 2:
-            raise UserError(f"longmoe engine: sequence {i} of the micro-batch has {b - a} "
-                            f"token(s); a sequence needs a prompt token and a response token")
-    return values, offsets
+    offsets = ids.offsets().cpu()
+    lengths = offsets.diff()
+    short = (lengths < 2).nonzero()
+    if short.numel():
+        i = int(short[0, 0])
+        raise UserError(f"longmoe engine: sequence {i} of the batch has {int(lengths[i])} "
+                        f"token(s); a sequence needs a prompt token and a response token")
+    pos = data.get("position_ids", None)
+    if pos is None:
+        return
+    if pos.dim() != 2:
+        raise UserError(f"longmoe engine: position_ids must be one position per token "
+                        f"(text models); got {pos.dim()}-D positions (multimodal RoPE is "
+                        f"not supported)")
+    have = pos.values().detach().cpu().long()
+    total = int(offsets[-1])
+    want = (torch.arange(total) - torch.repeat_interleave(offsets[:-1], lengths,
+                                                          output_size=total))
+    if have.shape != want.shape or not torch.equal(have, want):
+        raise UserError("longmoe engine: position_ids must restart at 0 and count up by one "
+                        "within each sequence (longmoe derives positions from sample "
+                        "boundaries)")
+
+
+def sequences(micro_batch) -> tuple[torch.Tensor, list[int]]:
+    """(token values [total] int64 on the host, offsets [bsz + 1]) of a micro-batch's nested
+    input_ids (checked once per batch by check_sequences)."""
+    ids = micro_batch["input_ids"]
+    return ids.values().detach().cpu().long(), ids.offsets().tolist()
 
 
 def to_samples(values: torch.Tensor, offsets: list[int]) -> list[Sample]:
@@ -74,3 +85,11 @@ def to_nested(row_values: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     total = offsets[-1]
     off = torch.tensor(offsets, dtype=torch.long, device=row_values.device)
     return torch.nested.nested_tensor_from_jagged(row_values[:total].contiguous(), off)
+
+
+def to_device(batch, device):
+    """A packed micro-batch on `device`: from pinned host memory without blocking the host on
+    an accelerator (a pageable copy waits for the device's queue to drain), as is on the host."""
+    if device.type == "cpu":
+        return batch.map_tokens(lambda t: t.to(device, non_blocking=True))
+    return batch.map_tokens(lambda t: t.pin_memory().to(device, non_blocking=True))

@@ -41,8 +41,8 @@ from longmoe.api import PolicyTrainer
 from longmoe.api.batches import whole_rows
 from longmoe.data.packing import pack_rows
 from longmoe.errors import ConfigError, UserError
-from longmoe.integrations.verl.batch import (check_temperature, sequences, to_nested,
-                                             to_samples)
+from longmoe.integrations.verl.batch import (check_sequences, check_temperature, sequences,
+                                             to_device, to_nested, to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
@@ -182,28 +182,54 @@ class LongMoEEngine(BaseEngine):
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         pt, layout = self.trainer, self.trainer.layout
         pt.require_device("longmoe engine: forward_backward_batch")
+        infer = forward_only and loss_function is None
+        if infer and data["input_ids"].device.type != "cpu":
+            data = data.cpu()  # verl's micro-batching reads lengths: once, on the host
         group = self.get_data_parallel_group()
-        mask = data["loss_mask"]
-        n = (mask.values() if mask.is_nested else mask).sum().to(torch.float64).to(pt.device)
-        if dist.is_initialized():
-            dist.all_reduce(n, group=group)
         dp_size = self.get_data_parallel_size()
+        mask = data["loss_mask"]
+        n = (mask.values() if mask.is_nested else mask).sum()
+        if dp_size > 1:  # one rank: the count is its own, with no device round trip
+            n = n.to(torch.float64).to(pt.device)
+            dist.all_reduce(n, group=group)
         tokens = int(n.item())
         tu.assign_non_tensor(data, batch_num_tokens=tokens, dp_size=dp_size)
-        micro, indices = prepare_micro_batches(data=data, dp_group=group,
+        # verl agrees the micro-batch count across data ranks with device collectives and
+        # reads them back (.item()); with one data rank there is nothing to agree
+        micro, indices = prepare_micro_batches(data=data, dp_group=group if dp_size > 1 else None,
                                                same_micro_num_in_dp=True)
         keep_outputs = forward_only or tu.get_non_tensor_data(data, "return_model_output", False)
         M = len(micro)
         model = pt.model
         sync = (not forward_only and isinstance(model, FSDPModule) and M > 1 and layout.world > 1
                 and pt.run.parallel.grad_sync == "step")
-        loads = [torch.zeros_like(m.router.last_load) for m in model.moe_layers()]
         fused = (None if forward_only or not self.engine_config.fused_ppo_loss
                  else fused_run(loss_function, pt.run, data))
         self.fused_last = fused is not None
         if layout.cp > 1 and not forward_only and fused is None:
             raise UserError("longmoe engine: under parallel.cp > 1 only verl's ppo_loss with "
                             "settings the fused path takes can train (docs/integrations/verl.md)")
+        if fused is None:  # once per batch, on the host
+            check_temperature(data)
+            check_sequences(data)
+        if infer:
+            outputs = self._infer(micro)
+        else:
+            outputs = self._micro_steps(micro, loss_function, forward_only, group, fused,
+                                        tokens, dp_size, sync, keep_outputs)
+        if forward_only:
+            for m in model.modules():  # as PolicyTrainer.compute_logprobs: see there
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def _micro_steps(self, micro, loss_function, forward_only, group, fused, tokens, dp_size,
+                     sync, keep_outputs):
+        """Every micro-batch with verl's loss (or the fused one); records the pass for
+        optim_step when training."""
+        pt, layout, model, M = self.trainer, self.trainer.layout, self.trainer.model, len(micro)
+        loads = ([] if forward_only
+                 else [torch.zeros_like(m.router.last_load) for m in model.moe_layers()])
         outputs, total = [], None
         try:
             for j, mb in enumerate(micro):
@@ -224,30 +250,28 @@ class LongMoEEngine(BaseEngine):
                 if not forward_only:
                     both = (loss / dp_size + aux / M).detach()
                     total = both if total is None else total + both
-                for acc, m in zip(loads, model.moe_layers()):
-                    acc += m.router.last_load
+                    for acc, m in zip(loads, model.moe_layers()):
+                        acc += m.router.last_load
                 if not keep_outputs:
                     out.pop("model_output", None)
                 outputs.append(out)
         finally:
             if sync:
                 model.set_requires_gradient_sync(True)
-        if forward_only:
-            for m in model.modules():  # as PolicyTrainer.compute_logprobs: see there
-                if isinstance(m, FSDPModule):
-                    m.reshard()
-        else:
+        if not forward_only:
             self._note_call(total, loads, tokens)
-        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+        return outputs
 
-    def _micro_step(self, mb: TensorDict, loss_function, forward_only: bool, group):
+    def _forward(self, mb: TensorDict, entropy: bool):
+        """(per-token log-probs [1, row], entropies or None, aux loss, the micro-batch's
+        sequence offsets) of one micro-batch, packed on the host and copied to the device
+        without blocking."""
         pt = self.trainer
-        check_temperature(mb)
         values, offsets = sequences(mb)
-        entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
         pb = pack_rows([to_samples(values, offsets)], pad_multiple=pad_multiple(pt.run),
                        min_len=min_row(pt.run))
-        batch, positions, packing = local_micro_batch(pb, pt.layout, pt.device)
+        batch, positions, packing = local_micro_batch(to_device(pb, pt.device), pt.layout,
+                                                      pt.device)
         row = int(pb.input_ids.shape[1])
         if pt.layout.cp > 1:
             set_cp_row_length(pt.model, pt.layout, row)
@@ -256,22 +280,48 @@ class LongMoEEngine(BaseEngine):
         if pt.layout.cp > 1:  # forward only (see forward_backward_batch): whole rows back
             lp = whole_rows(lp, row, pt.layout)
             ent = whole_rows(ent, row, pt.layout) if entropy else None
-        if forward_only and loss_function is None:
-            # Inference: the row comes to the host once here, so verl's reordering and
-            # collection (postprocess_batch_func, the worker's .cpu()) handle host tensors and
-            # launch no device work of their own.
-            model_output = {"log_probs": to_nested(lp[0].cpu(), offsets)}
-            if entropy:
-                model_output["entropy"] = to_nested(ent[0].cpu(), offsets)
-            return None, aux, {"model_output": model_output, "loss": 0.0, "metrics": {}}
+        return lp, ent, aux, offsets
+
+    def _infer(self, micro) -> list[dict]:
+        """Inference (verl's compute_log_prob): every micro-batch's forward is queued without
+        a host synchronisation between them, and the results of the whole batch come to the
+        host in one copy, so verl's reordering and collection (postprocess_batch_func, the
+        worker's .cpu()) handle host tensors and launch no device work of their own."""
+        rows, offs, entropy = [], [], False
+        with torch.no_grad():
+            for mb in micro:
+                entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
+                lp, ent, _, offsets = self._forward(mb, entropy)
+                rows.append([lp[0, :offsets[-1]]] + ([ent[0, :offsets[-1]]] if entropy else []))
+                offs.append(offsets)
+        parts = [r for rs in rows for r in rs]
+        if not parts:
+            return []
+        if len({p.dtype for p in parts}) == 1:
+            host = torch.cat(parts).cpu().split([p.numel() for p in parts])
+        else:
+            host = [p.cpu() for p in parts]
+        outputs, k = [], 0
+        for rs, offsets in zip(rows, offs):
+            got = host[k:k + len(rs)]
+            k += len(rs)
+            model_output = {"log_probs": to_nested(got[0], offsets)}
+            if len(got) > 1:
+                model_output["entropy"] = to_nested(got[1], offsets)
+            outputs.append({"model_output": model_output, "loss": 0.0, "metrics": {}})
+        return outputs
+
+    def _micro_step(self, mb: TensorDict, loss_function, forward_only: bool, group):
+        pt = self.trainer
+        entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
+        lp, ent, aux, offsets = self._forward(mb, entropy)
         model_output = {"log_probs": to_nested(lp[0], offsets)}
         if entropy:
             model_output["entropy"] = to_nested(ent[0], offsets)
-        if loss_function is not None:
-            mb_dev = mb.to(pt.device) if pt.device.type != "cpu" else mb
-            loss, metrics = loss_function(model_output=model_output, data=mb_dev, dp_group=group)
-        else:
+        if loss_function is None:
             raise UserError("longmoe engine: a training pass needs a loss_function")
+        mb_dev = mb.to(pt.device) if pt.device.type != "cpu" else mb
+        loss, metrics = loss_function(model_output=model_output, data=mb_dev, dp_group=group)
         out = {"model_output": detach_tree(model_output), "loss": float(loss.detach().item()),
                "metrics": metrics}
         return loss, aux, out
