@@ -44,6 +44,47 @@ def _l2norm_specs():
     ]
 
 
+def _norm_specs():
+    """The RMS norms as Qwen3.5's layers run them in training, bf16 tensors and weights (FSDP's
+    param_dtype): RMSNorm over the 2048-wide hidden (bucket "any"), the q/k norm with RoPE over
+    256-wide heads rotating 64 dims, the gated norm over 128-wide value heads ("d<=256"). A
+    table key "norm_rows@BUCKET" compiles only that bucket's entries (the runtime looks a row
+    width up in one bucket)."""
+    from longmoe.ops.kernels import norm_rows as nr
+    bf, f32 = "*bf16", "*fp32"
+    ints = {"M": "i32", "H": "i32"}
+    specs = []
+    for tag, bucket, D, R in (("rms", "any", 2048, 0), ("rope", "d<=256", 256, 64)):
+        flags = {"D": D, "R": R, "UNIT_OFFSET": True, "ROPE": R > 0, "XR": 1, "PR": 1,
+                 "BLOCK_D": D}
+        consts = {k: "constexpr" for k in (*flags, "BLOCK_ROWS")}
+        tail = {**ints, "stride_n": "i32", "stride_h": "i32", "CS": "i32"}
+        specs.append((f"norm_rows@{bucket}", f"norm_rows_fwd[bf16]+{tag}", nr.norm_rows_fwd_kernel,
+                      {"x_ptr": bf, "w_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "y_ptr": bf,
+                       "r_ptr": f32, **tail, "eps": "fp32", **consts},
+                      lambda c, f=flags: {**f, "BLOCK_ROWS": c["BLOCK_ROWS"]}, "num_warps"))
+        specs.append((f"norm_rows@{bucket}", f"norm_rows_bwd[bf16]+{tag}", nr.norm_rows_bwd_kernel,
+                      {"x_ptr": bf, "w_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "r_ptr": f32,
+                       "dy_ptr": bf, "dx_ptr": bf, "dw_ptr": f32, **tail, **consts,
+                       "ROW_TILES": "constexpr"},
+                      lambda c, f=flags: {**f, "BLOCK_ROWS": c["BLOCK_ROWS"],
+                                          "ROW_TILES": c["ROW_TILES"]}, "num_warps_bwd"))
+    flags = {"D": 128, "XR": 1, "ROUND_Y": True, "BLOCK_D": 128}
+    consts = {k: "constexpr" for k in (*flags, "BLOCK_ROWS")}
+    strides = {f"stride_{n}": "i32" for n in ("xn", "xh", "gn", "gh")}
+    specs.append(("norm_rows@d<=256", "norm_rows_gated_fwd[bf16]", nr.gated_norm_fwd_kernel,
+                  {"x_ptr": bf, "gate_ptr": bf, "w_ptr": bf, "y_ptr": bf, "r_ptr": f32, **ints,
+                   **strides, "eps": "fp32", **consts},
+                  lambda c: {**flags, "BLOCK_ROWS": c["BLOCK_ROWS"]}, "num_warps"))
+    specs.append(("norm_rows@d<=256", "norm_rows_gated_bwd[bf16]", nr.gated_norm_bwd_kernel,
+                  {"x_ptr": bf, "gate_ptr": bf, "w_ptr": bf, "r_ptr": f32, "dy_ptr": bf,
+                   "dx_ptr": bf, "dgate_ptr": bf, "dw_ptr": f32, **ints, **strides, **consts,
+                   "ROW_TILES": "constexpr"},
+                  lambda c: {**flags, "BLOCK_ROWS": c["BLOCK_ROWS"], "ROW_TILES": c["ROW_TILES"]},
+                  "num_warps_bwd"))
+    return specs
+
+
 def _causal_conv_specs():
     """The Gated DeltaNet conv as training runs it: bf16 x, w, halo and gradients, int32 reach
     bits of the history, fp32 dw partial sums, Qwen3.5's 4 taps; with neither halo nor history
@@ -178,7 +219,7 @@ def _kernel_specs():
                        "WITH_DOT": "constexpr"},
                       lambda c: {"BLOCK_M": c["BLOCK_M"], "BLOCK_F": c["BLOCK_F"],
                                  "WITH_DOT": True}, "num_warps_swiglu"))
-    specs += _l2norm_specs() + _causal_conv_specs()
+    specs += _l2norm_specs() + _norm_specs() + _causal_conv_specs()
     from longmoe.ops.kernels import affine_scan as sc
     for adjoint in (False, True):
         # D = 128: the state rows of Qwen3.5's Gated DeltaNet heads (dk), what runs
@@ -250,11 +291,15 @@ def _gated_delta_specs():
 
 
 def _configs_for(table: dict, key: str, target: str) -> list[tuple[str, dict]]:
+    """The entries of table key `key` for the target and "any" archs; "KEY@BUCKET" keeps the
+    entries of that bucket only."""
+    key, _, only = key.partition("@")
     by_arch = table.get(key, {})
     out = []
     for arch in (target, "any"):
         for bucket, cfg in by_arch.get(arch, {}).items():
-            out.append((f"{arch}/{bucket}", cfg))
+            if not only or bucket == only:
+                out.append((f"{arch}/{bucket}", cfg))
     return out
 
 
@@ -283,7 +328,7 @@ def compile_all(target: str, table: dict | None = None, only: str | None = None,
                              {"where": where, **cfg}))
     reports = []
     for key, variant, fn, sig, consts, opts, attrs, cfg in jobs:
-        rep = CompileReport(key, variant, target, cfg, ok=False)
+        rep = CompileReport(key.partition("@")[0], variant, target, cfg, ok=False)
         reports.append(compile_and_check(rep, t, gpu, fn, sig, consts, opts, attrs))
         if progress:
             progress(len(reports), len(jobs), rep)
