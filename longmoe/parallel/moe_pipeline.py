@@ -85,7 +85,7 @@ class ChunkPipeline:
         self.transport, self.streams = transport, streams
         self.rows_impl = rows_impl  # the gather/SwiGLU row kernels (ops/moe_rows.py)
         self.wgrad = wgrad
-        self._metas = self._table = self._rows = None
+        self._metas = self._table = self._rows = self._em = None
         # An EP group of one: the all-to-alls move nothing (see the module docstring).
         self.local = bool(plan.send) and len(plan.send[0]) == 1
 
@@ -103,7 +103,8 @@ class ChunkPipeline:
         # autograd: the gradient of an autograd index is a scatter-add per layer (on a GPU a
         # sort of the A indices first); the backward returns the token-order gradient by a gather.
         self.w_A = w_TK.detach()[self.plan.order_A]
-        self.w_A_c = self.split_rows(self.w_A, by="a")
+        # Per chunk where each chunk dispatches its own gradient rows (not one rank: one gather)
+        self.w_A_c = None if self.local else self.split_rows(self.w_A, by="a")
         return _PipelinedExperts.apply(x_TH, w_TK, w_in, w_out, self, impl)
 
     def finish(self, y_partial, y_fill):
@@ -201,24 +202,34 @@ class ChunkPipeline:
             if not self.local:  # one source: received order is expert-major already
                 perm_all = source_major_to_expert_major(torch.stack(p.recv_SL), rs[-1].stop)
                 inv_all = inverse_permutation(perm_all)
-            out, tok_c = [], self.split_rows(tok_A, by="a")
+            # One rank gathers every chunk's rows at once (tok_A): no per-chunk token lists.
+            tok_c = (None,) * len(rs) if self.local else self.split_rows(tok_A, by="a")
+            tk_c = None if self.by_experts else self.split_rows(tk_A, by="a")
+            out = []
             for c, r in enumerate(rs):
-                a0, a1 = self.arange(c)
                 perm = None if self.local else (perm_all[r] - r.start, inv_all[r] - r.start)
                 out.append((tok_c[c], *(perm or (None, None)),
-                            None if self.by_experts else tk_A[a0:a1] - a0))
+                            None if tk_c is None else tk_c[c] - self.arange(c)[0]))
             self._metas = out
         return self._metas
 
     def expert_major(self):
         """(gather from the chunk-major row buffers to expert-major order, rows per local expert
-        over all chunks, their int32 end offsets) for the delayed weight gradient."""
-        p = self.plan
-        total = sum(sum(r) for r in p.expert_rows)
-        # Expert chunks: chunk-major already is expert-major (no gather: None).
-        perm = None if self.by_experts else source_major_to_expert_major(p.rows_CL, total)
-        sizes = [sum(col) for col in zip(*p.expert_rows)]
-        return perm, sizes, p.rows_CL.sum(0).cumsum(0).to(torch.int32)
+        over all chunks, their int32 end offsets) for the delayed weight gradient: built once
+        per layer, for both weights."""
+        if self._em is None:
+            p = self.plan
+            total = sum(sum(r) for r in p.expert_rows)
+            # Expert chunks: chunk-major already is expert-major (no gather: None).
+            perm = None if self.by_experts else source_major_to_expert_major(p.rows_CL, total)
+            sizes = [sum(col) for col in zip(*p.expert_rows)]
+            self._em = perm, sizes, p.rows_CL.sum(0).cumsum(0).to(torch.int32)
+        return self._em
+
+    def split_tokens(self, t: torch.Tensor):
+        """t's rows per token chunk (token order; views from one split)."""
+        b = self.plan.bounds
+        return (t,) if len(b) == 1 else t.split([e - s for s, e in b])
 
     def copy_beside(self, pairs, mark: bool = True):
         """out <- inp for each (out, inp), in one go on the comm stream, beside the compute
@@ -331,6 +342,8 @@ class _PipelinedExperts(torch.autograd.Function):
         # (Allocated at the first combine, once that chunk's expert outputs are freed.)
         y_A = None
         y_TH = torch.zeros_like(x_TH) if by_e else torch.empty_like(x_TH)
+        # Token chunks: each chunk's output rows and combine weights (one split each)
+        y_c, w_c = (None, None) if by_e else (pipe.split_tokens(y_TH), pipe.split_rows(w_TK, "a"))
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
 
         def dispatch(c):
@@ -341,9 +354,7 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
-            s, e = plan.bounds[c]
-            pipe.rows(y_TH).gather_sum(comb[c], metas[c][3], w_TK[s * K:e * K], K, y_TH[s:e],
-                                       False)
+            pipe.rows(y_TH).gather_sum(comb[c], metas[c][3], w_c[c], K, y_c[c], False)
             comb[c] = None
 
         for c in range(min(2, C)):
@@ -378,10 +389,9 @@ class _PipelinedExperts(torch.autograd.Function):
             pipe.last = (c_mark[C - 1], (0, x_TH.shape[0]), pipe.tk_all,
                          comb if pipe.local else [y_A], w_TK)
         else:
-            s, e = plan.bounds[C - 1]
-            y_TH[s:e] = 0  # the last chunk's combine lands in _FinishCombine
-            pipe.last = (c_mark[C - 1], (s, e), metas[C - 1][3], [comb[C - 1]],
-                         w_TK[s * K:e * K])
+            y_c[C - 1].zero_()  # the last chunk's combine lands in _FinishCombine
+            pipe.last = (c_mark[C - 1], plan.bounds[C - 1], metas[C - 1][3], [comb[C - 1]],
+                         w_c[C - 1])
         if c_mark[C - 1] is not None:
             st.pending.append(c_mark[C - 1])
         ctx.save_for_backward(w_TK, w_in, w_out, xg_all, *hs)
@@ -399,6 +409,7 @@ class _PipelinedExperts(torch.autograd.Function):
         g_TH = started[0] if started else g_TH.contiguous()
         metas, tab = pipe.metas(), pipe.table()
         gx_TH = torch.empty_like(g_TH)
+        gx_c = None if pipe.by_experts else pipe.split_tokens(gx_TH)  # token chunks' dX rows
         acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
         # Router weights' gradient rows: one rank keeps each chunk's and concatenates them once
         # at the end; otherwise they come back through the combine's all-to-all into gw_A.
@@ -443,8 +454,7 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def accumulate(c):
             st.compute_waits(c_mark[c])
-            s, e = plan.bounds[c]
-            pipe.rows(gx_TH).gather_sum(gx_A[c], metas[c][3], None, K, gx_TH[s:e], False)
+            pipe.rows(gx_TH).gather_sum(gx_A[c], metas[c][3], None, K, gx_c[c], False)
             gx_A[c] = None
 
         def combine_buffer(c, send):
