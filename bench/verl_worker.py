@@ -154,6 +154,7 @@ def arms(w, ss) -> dict:
 
     from longmoe.data.sample import Sample
     pt = w.engine.trainer
+    worker_s = []  # seconds of each TrainingWorker.infer_batch call, in order
 
     def direct_logprobs():
         return pt.compute_logprobs(ss)
@@ -169,7 +170,11 @@ def arms(w, ss) -> dict:
         td = verl_batch(ss)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False,
                              max_token_len_per_gpu=BUDGET)
+        # the worker's call alone (its outputs are host tensors: it has waited for the device),
+        # without the trainer-side padding conversions around it
+        t = time.perf_counter()
         out = w.infer_batch(td)
+        worker_s.append(time.perf_counter() - t)
         lp = no_padding_2_padding(tu.get(out, "log_probs"), td)  # [n, R], verl's layout
         return [row[:s.response.numel()] for row, s in zip(lp, ss)]
 
@@ -181,18 +186,21 @@ def arms(w, ss) -> dict:
         m = tu.get(w.train_mini_batch(td), "metrics")
         return {"loss": float(m["loss"][0]), "grad_norm": float(m["grad_norm"][0]),
                 "ppo_kl": float(m["actor/ppo_kl"][0]), "fused_ppo_loss": w.engine.fused_last}
-    return {"direct": (direct_logprobs, direct_update), "verl": (verl_logprobs, verl_update)}
+    return {"direct": (direct_logprobs, direct_update), "verl": (verl_logprobs, verl_update),
+            "worker_s": worker_s}
 
 
 def run_case(w, case: str, args, device) -> list[dict]:
     ss = samples(case, args.samples, args.seed, w.engine.trainer.run.model.vocab_size)
     tok = sum(len(s) for s in ss)
     fns = arms(w, ss)
+    worker_s = fns.pop("worker_s")
     res = {a: {"arm": a, "case": case, "samples": len(ss), "tokens": tok, "logprob_s": [],
                "update_s": [], "updates": [], "peak_gib": 0.0} for a in fns}
     for a, (logprobs, update) in fns.items():  # compile and warm-up
         res[a]["first_logprob_s"], old = timed(logprobs, device)
         res[a]["first_update_s"], _ = timed(lambda: update(old), device)
+    worker_s.clear()
     for step in range(args.steps):
         for a in (("direct", "verl") if step % 2 == 0 else ("verl", "direct")):
             logprobs, update = fns[a]
@@ -206,6 +214,9 @@ def run_case(w, case: str, args, device) -> list[dict]:
             if device.type == "cuda":
                 res[a]["peak_gib"] = max(res[a]["peak_gib"],
                                          torch.cuda.max_memory_allocated(device) / 2**30)
+    # verl's log-prob pass without the trainer's padding conversions (left_right_2_no_padding,
+    # no_padding_2_padding), which verl's trainer runs outside the worker
+    res["verl"]["infer_batch_s"] = list(worker_s)
     if args.profile:  # one more log-prob pass per arm under the profiler: where the time goes
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -217,6 +228,7 @@ def run_case(w, case: str, args, device) -> list[dict]:
             Path(args.profile, f"{case}_{a}_logprob_ops.txt").write_text(
                 ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n"
                 + ka.table(sort_by=sort, row_limit=25))
+    res["verl"]["infer_batch_tok_s"] = tok / statistics.median(res["verl"]["infer_batch_s"])
     for r in res.values():
         r["logprob_tok_s"] = tok / statistics.median(r["logprob_s"])
         r["update_tok_s"] = tok / statistics.median(r["update_s"])
@@ -318,6 +330,7 @@ def report_of(args, runs) -> dict:
         if "update_tok_s" in d and "update_tok_s" in v:
             ratios[case] = {"update_tok_s": v["update_tok_s"] / d["update_tok_s"],
                             "logprob_tok_s": v["logprob_tok_s"] / d["logprob_tok_s"],
+                            "infer_batch_tok_s": v["infer_batch_tok_s"] / d["logprob_tok_s"],
                             "peak": v["peak_gib"] / d["peak_gib"] if d["peak_gib"] else None}
     report = {"bench": "verl-worker", "config": args.config, "overrides": args.set,
               "budget": BUDGET, "steps": args.steps, "runs": runs, "verl_over_direct": ratios}
@@ -341,7 +354,8 @@ def table(report: dict) -> str:
                     f"{r['logprob_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | "
                     f"{r['peak_gib']:.2f} |")
     ratio = "".join(f"\n{c}: verl over direct: update tok/s {x['update_tok_s']:.3f}, log-prob "
-                    f"tok/s {x['logprob_tok_s']:.3f}, peak {x['peak'] or 0:.3f}"
+                    f"tok/s {x['logprob_tok_s']:.3f} (infer_batch alone "
+                    f"{x['infer_batch_tok_s']:.3f}), peak {x['peak'] or 0:.3f}"
                     for c, x in report["verl_over_direct"].items())
     off = report.get("offload")
     if off:
