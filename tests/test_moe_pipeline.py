@@ -399,7 +399,9 @@ def test_one_rank_pipeline_matches_unpipelined_every_gradient(chunks, by, wgrad,
 def test_one_rank_chunk_issues_few_host_ops():
     # Host time: what each extra chunk adds to a layer step (forward and backward), counted as
     # the torch operations issued, with the CPU reference kernels (several operations each where
-    # a GPU launches one). Measured: 34.7 per chunk with expert chunks; 48.7 when every chunk
+    # a GPU launches one: 23.7 of the count). Measured: 31.3 per chunk with expert chunks (C = 1
+    # 349 operations, C = 4 443); 34.7 while each chunk gathered its own gradient rows and one
+    # rank split per-chunk token and routing-weight lists it never read; 48.7 when every chunk
     # sliced its weights, offsets, row buffers and gradient rows itself.
     from torch.utils._python_dispatch import TorchDispatchMode
     from longmoe.backends.streams import HostStreams
@@ -427,4 +429,4 @@ def test_one_rank_chunk_issues_few_host_ops():
             y, aux = moe(x)
             torch.autograd.backward([y, aux], [torch.ones_like(y), torch.ones_like(aux)])
         ops[C] = count.n
-    assert (ops[4] - ops[1]) / 3 <= 40, ops
+    assert (ops[4] - ops[1]) / 3 <= 33, ops
