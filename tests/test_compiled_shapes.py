@@ -67,7 +67,8 @@ def _graph_count(fn) -> int:
 def _packed_steps(lengths):
     """Forward and backward of the tiny hybrid model on packed rows of each length in turn, its
     pieces compiled with dynamo's plain "eager" backend (guards and recompiles as under inductor,
-    no code generated); (graphs per row-wise piece, the last log-probs)."""
+    no code generated; the norms' impl.norm "auto" takes the compiled norms on CPU under
+    forced); (graphs per row-wise piece, the last log-probs)."""
     from longmoe.config import get_preset
     from longmoe.model import MoETransformer
     from longmoe.model.layers import norm_rope
@@ -126,6 +127,7 @@ def test_row_pieces_under_inductor_take_any_row_length(monkeypatch):
     with torch.no_grad():
         for m in (norm, qk, gated):
             m.weight.normal_()
+            m.impl = "compiled"  # impl.norm: the compiled norms, not our kernels
     with comp.forced("inductor"):
         for T in (96, 160, 353):
             x = torch.randn(2, T, 24, requires_grad=True)

@@ -1,5 +1,6 @@
-"""RMSNorm: the compiled path (GPUs) against the eager function it compiles, and both against
-fp64; the switch that turns compiled pieces off."""
+"""RMSNorm's compiled path (impl.norm=compiled: torch.compile's kernels on GPUs) against the eager
+function it compiles, and both against fp64; the switch that turns compiled pieces off. The
+Triton kernels of the default GPU path: tests/test_norm_rows.py."""
 
 import random
 
@@ -15,6 +16,7 @@ def _case(shape, dtype, unit_offset, device="cpu"):
     g = torch.Generator(device=device).manual_seed(seed)
     x = (torch.randn(*shape, generator=g, device=device) * 3).to(dtype).requires_grad_()
     norm = RMSNorm(shape[-1], 1e-6, unit_offset).to(device)
+    norm.impl = "compiled"
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=g, device=device) * 0.1
                           + (0.0 if unit_offset else 1.0))
@@ -35,7 +37,7 @@ def test_compiled_graph_matches_eager_on_cpu(shape, dtype, unit_offset):
     """The graph torch.compile runs (traced and partitioned into forward and backward as
     inductor would, without generating kernels) gives the eager results."""
     seed, x, norm, dy = _case(shape, dtype, unit_offset)
-    eager = _run(norm, x, norm.weight, dy)
+    eager = _run(lambda t: rms_norm(t, norm.weight, norm.eps, unit_offset), x, norm.weight, dy)
     with forced("aot_eager_decomp_partition"):
         assert compile_unavailable(x.device) is None
         got = _run(norm, x, norm.weight, dy)
