@@ -54,6 +54,12 @@ def check_sequences(data) -> None:
                         "boundaries)")
 
 
+def infer_fields(data):
+    """What inference reads of a batch: its tokens and verl's settings (non-tensor entries)."""
+    keep = ["input_ids"] + [k for k in data.keys() if not isinstance(data[k], torch.Tensor)]
+    return data.select(*keep)
+
+
 def sequences(micro_batch) -> tuple[torch.Tensor, list[int]]:
     """(token values [total] int64 on the host, offsets [bsz + 1]) of a micro-batch's nested
     input_ids (checked once per batch by check_sequences)."""

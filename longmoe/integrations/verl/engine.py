@@ -41,8 +41,8 @@ from longmoe.api import PolicyTrainer
 from longmoe.api.batches import whole_rows
 from longmoe.data.packing import pack_rows
 from longmoe.errors import ConfigError, UserError
-from longmoe.integrations.verl.batch import (check_sequences, check_temperature, sequences,
-                                             to_device, to_nested, to_samples)
+from longmoe.integrations.verl.batch import (check_sequences, check_temperature, infer_fields,
+                                             sequences, to_device, to_nested, to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
@@ -194,15 +194,6 @@ class LongMoEEngine(BaseEngine):
             dist.all_reduce(n, group=group)
         tokens = int(n.item())
         tu.assign_non_tensor(data, batch_num_tokens=tokens, dp_size=dp_size)
-        # verl agrees the micro-batch count across data ranks with device collectives and
-        # reads them back (.item()); with one data rank there is nothing to agree
-        micro, indices = prepare_micro_batches(data=data, dp_group=group if dp_size > 1 else None,
-                                               same_micro_num_in_dp=True)
-        keep_outputs = forward_only or tu.get_non_tensor_data(data, "return_model_output", False)
-        M = len(micro)
-        model = pt.model
-        sync = (not forward_only and isinstance(model, FSDPModule) and M > 1 and layout.world > 1
-                and pt.run.parallel.grad_sync == "step")
         fused = (None if forward_only or not self.engine_config.fused_ppo_loss
                  else fused_run(loss_function, pt.run, data))
         self.fused_last = fused is not None
@@ -212,6 +203,17 @@ class LongMoEEngine(BaseEngine):
         if fused is None:  # once per batch, on the host
             check_temperature(data)
             check_sequences(data)
+        # verl copies every field of the batch into its micro-batches; inference reads only
+        # the tokens (and verl's settings), so the other fields are not copied
+        split = infer_fields(data) if infer else data
+        # verl agrees the micro-batch count across data ranks with device collectives and
+        # reads them back (.item()); with one data rank there is nothing to agree
+        micro, indices = prepare_micro_batches(data=split, dp_group=group if dp_size > 1 else None,
+                                               same_micro_num_in_dp=True)
+        keep_outputs = forward_only or tu.get_non_tensor_data(data, "return_model_output", False)
+        model = pt.model
+        sync = (not forward_only and isinstance(model, FSDPModule) and len(micro) > 1
+                and layout.world > 1 and pt.run.parallel.grad_sync == "step")
         if infer:
             outputs = self._infer(micro)
         else:
