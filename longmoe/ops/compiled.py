@@ -1,17 +1,24 @@
 """torch.compile for the plain-PyTorch pieces that run as chains of small elementwise ops on a
-GPU (the Gated DeltaNet core's batched parts, its causal conv and gated norm, the RMS norms).
-Inductor turns each chain into fused Triton kernels for whichever GPU is present; the eager
-function stays the reference and the CPU path. One compiled callable per function, shape mode
-and process.
+GPU, where a run asks for them. Inductor turns each chain into fused Triton kernels for
+whichever GPU is present; the eager function stays the reference and the CPU path. One compiled
+callable per function, shape mode and process.
+
+What runs compiled, and when: the RMS norms (rms_norm, norm_rope, gated_rms_norm) only with
+`impl.norm=compiled` (ops/norm.py; by default GPUs run our Triton kernels, ops/kernels/
+norm_rows.py, which compile nothing on a run's first step); the causal conv where our conv
+kernels cannot run or beside the compiled core; the Gated DeltaNet core's batched parts with
+`impl.gated_delta: chunked_compiled`; FlexAttention with `impl.attention: flex` (or auto where
+varlen cannot run). With the defaults on a GPU with Triton none of them runs. The GPU step time
+and first-step compile time of the Triton norms against these compiled ones are not yet measured.
 
 Shapes are static (`dynamic=False`) except the dims a caller names in `token_dims`, which
 dynamo then traces as one symbolic size (`torch._dynamo.maybe_mark_dynamic`), so packed rows of
 a new length reuse the graph instead of compiling it again. Per compiled function, what a
 packed run compiles per row length:
 
-  rms_norm, norm_rope   token dim named: one graph each way for every length (norm_rope one
-                        per head count: q's and k's)
-  gated_rms_norm        token dim named: one graph each way
+  rms_norm, norm_rope   (impl.norm=compiled) token dim named: one graph each way for every
+                        length (norm_rope one per head count: q's and k's)
+  gated_rms_norm        (impl.norm=compiled) token dim named: one graph each way
   causal_conv_silu      token dims of x and the packed-row history named (the halo's K-1
                         tokens stay static): one graph each way, two with context
                         parallelism's halo (a halo or none). GPUs run it beside the compiled
@@ -42,7 +49,8 @@ tests/test_compiled_shapes.py); this switch gives it one graph per length again.
 `forced(backend)` (or LONGMOE_FORCE_COMPILE=<backend> in the environment, which reaches spawned
 ranks) runs the compiled path on any device with another torch.compile backend: tests use it on
 CPU with "aot_eager_decomp_partition", which partitions forward and backward (what gets saved)
-the way inductor does, without generating kernels."""
+the way inductor does, without generating kernels. On CPU the norms' `impl.norm` auto then takes
+the compiled norms, as it did before they had kernels of their own."""
 
 from __future__ import annotations
 
