@@ -111,9 +111,9 @@ class ImplConfig:
     # The router's logits GEMM (ops/router_matmul.py): auto | mixed (one bf16 GEMM with fp32
     # output) | reference (fp32 casts). The backward is fp32 either way (impl.fp32_matmul).
     router_matmul: str = "auto"
-    # The RMS norms (RMSNorm, the q/k norm with RoPE, the Gated DeltaNet's gated norm; ops/norm.py):
-    # auto (triton on GPUs, the eager reference on CPU) | triton | compiled (torch.compile) |
-    # reference.
+    # The RMS norms (RMSNorm, the q/k norm with RoPE, the Gated DeltaNet's gated norm;
+    # ops/norm.py): auto (triton on GPUs, the eager reference on CPU) | triton | compiled
+    # (torch.compile) | reference.
     norm: str = "auto"
     ce_chunk_tokens: int = 0        # linear-CE token chunk; 0 sizes it from a byte budget
     # fp32 matmuls on GPUs (the chunked Gated DeltaNet core's): "high" lets them run on TF32

@@ -52,8 +52,8 @@ def _round(v, KIND: tl.constexpr):
 @triton.jit
 def _tile(rows, H, stride_n, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Offsets of rows m = (n, h) = (m // H, m % H) in a strided x and in a contiguous [M, D]
-    tensor, the columns and their mask. int32 row division (64-bit division is a long routine on some
-    GPUs), int64 offsets (a long packed batch's pass 2^31)."""
+    tensor, the columns and their mask. int32 row division (64-bit division is a long routine
+    on some GPUs), int64 offsets (a long packed batch's pass 2^31)."""
     n, h = (rows // H).to(tl.int64), (rows % H).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
     return (n * stride_n + h * stride_h)[:, None], rows.to(tl.int64)[:, None] * D, cols, cols < D
@@ -226,6 +226,14 @@ def _launch(kernel, M, cfg, backward, *args, **consts):
         **active_backend().launch_options(cfg, "num_warps_bwd" if backward else "num_warps"))
 
 
+def _partials(M: int, D: int, cfg: dict, device) -> torch.Tensor:
+    """The backward programs' dweight partial sums, one fp32 row each (every program writes its
+    whole row; with no rows, one row of zeros)."""
+    if not M:
+        return torch.zeros((1, D), device=device, dtype=torch.float32)
+    return torch.empty((_grid(M, cfg, True), D), device=device, dtype=torch.float32)
+
+
 def _dw(partials: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return partials.sum(0).to(weight.dtype)
 
@@ -265,8 +273,7 @@ class NormRows(torch.autograd.Function):
         M, D = r_M.shape[0], ctx.shape[-1]
         dx = torch.empty(ctx.shape, device=dy.device, dtype=x_NHD.dtype)
         cfg = _cfg(D)
-        partials = torch.zeros((max(_grid(M, cfg, True), 1), D), device=dy.device,
-                               dtype=torch.float32)
+        partials = _partials(M, D, cfg, dy.device)
         if M:
             _launch(norm_rows_bwd_kernel, M, cfg, True, x_NHD, weight, cos_c, sin_c, r_M,
                     dy.contiguous(), dx, partials, M, x_NHD.shape[1], x_NHD.stride(0),
@@ -305,8 +312,7 @@ class GatedNormRows(torch.autograd.Function):
         dx = torch.empty(x_shape, device=dy.device, dtype=x_NHD.dtype)
         dgate = torch.empty(g_shape, device=dy.device, dtype=g_dtype)
         cfg = _cfg(D)
-        partials = torch.zeros((max(_grid(M, cfg, True), 1), D), device=dy.device,
-                               dtype=torch.float32)
+        partials = _partials(M, D, cfg, dy.device)
         if M:
             _launch(gated_norm_bwd_kernel, M, cfg, True, x_NHD, g_NHD, weight, r_M,
                     dy.contiguous(), dx, dgate, partials, M, x_NHD.shape[1], x_NHD.stride(0),
