@@ -18,6 +18,7 @@ verl = pytest.importorskip("verl", reason="verl is not installed (pip install -e
 from _verl import (PRESETS, _train_inputs, overrides, ragged, reference,  # noqa: E402,F401
                    train_mini_batch, verl_env, verl_logprobs, worker)
 from tensordict import TensorDict  # noqa: E402
+from test_verl_syncs import audit_paths, counts, table  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.model import compute_position_id_with_mask  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
@@ -508,3 +509,21 @@ def test_cp_without_the_fused_loss_is_refused(verl_env):
     pt, path = reference("tiny", verl_env)
     with pytest.raises(ValueError, match="parallel.cp: context parallelism trains through"):
         worker(path, "tiny", extra=["parallel.cp=2"], fused=False)
+
+
+@pytest.mark.parametrize("budget", [24, 200])  # three micro-batches, one
+def test_verl_infer_syncs_no_more_than_direct(verl_env, budget):
+    """Outside the model's forward, verl's infer_batch through the engine synchronises the host
+    with the device no more often than compute_logprobs on the same samples (in all, and once
+    device work is queued), launches no more device ops per micro-batch, and copies each
+    micro-batch to the device without blocking."""
+    v, d = audit_paths(verl_env, budget)
+    cv, cd = counts(v), counts(d)
+    report = (f"verl {cv}, direct {cd}\nverl syncs:\n{table(v, 'sync')}\ndirect syncs:\n"
+              f"{table(d, 'sync')}\nverl device ops:\n{table(v, 'device')}\ndirect device "
+              f"ops:\n{table(d, 'device')}")
+    assert cv["forwards"] == (3 if budget == 24 else 1) and cd["forwards"] == 1, report
+    assert cv["syncs_after"] <= cd["syncs_after"], report
+    assert cv["syncs_before"] + cv["syncs_after"] <= cd["syncs_before"] + cd["syncs_after"], report
+    assert cv["device_ops"] / cv["forwards"] <= cd["device_ops"] / cd["forwards"], report
+    assert cv["blocking_h2d"] == 0, report

@@ -15,6 +15,8 @@ the audit tracks which tensors would live on the trainer's device:
 
 Each record carries the call site: the innermost frame in longmoe, verl or tensordict. Records
 inside the model's forward (longmoe/model, longmoe/ops) are the same on both paths and left out.
+The comparison of the two paths is in test_verl_engine.py (the file the verl environment's CI
+step runs); this file holds the audit and its own check.
 """
 
 from __future__ import annotations
@@ -210,24 +212,6 @@ def counts(a: Audit) -> dict:
     return {"forwards": a.forwards, "syncs_before": n("sync", ("before",)),
             "syncs_after": n("sync", ("after",)), "device_ops": n("device"),
             "blocking_h2d": sum(1 for r in a.records if r[:2] == ("h2d", "to(blocking)"))}
-
-
-@pytest.mark.parametrize("budget", [24, 200])  # three micro-batches, one
-def test_verl_infer_syncs_no_more_than_direct(verl_env, budget):
-    """Outside the model's forward, verl's infer_batch through the engine synchronises the host
-    with the device no more often than compute_logprobs on the same samples (in all, and once
-    device work is queued), launches no more device ops per micro-batch, and copies each
-    micro-batch to the device without blocking."""
-    v, d = audit_paths(verl_env, budget)
-    cv, cd = counts(v), counts(d)
-    report = (f"verl {cv}, direct {cd}\nverl syncs:\n{table(v, 'sync')}\ndirect syncs:\n"
-              f"{table(d, 'sync')}\nverl device ops:\n{table(v, 'device')}\ndirect device "
-              f"ops:\n{table(d, 'device')}")
-    assert cv["forwards"] == (3 if budget == 24 else 1) and cd["forwards"] == 1, report
-    assert cv["syncs_after"] <= cd["syncs_after"], report
-    assert cv["syncs_before"] + cv["syncs_after"] <= cd["syncs_before"] + cd["syncs_after"], report
-    assert cv["device_ops"] / cv["forwards"] <= cd["device_ops"] / cd["forwards"], report
-    assert cv["blocking_h2d"] == 0, report
 
 
 def test_audit_sees_a_synchronisation(verl_env):
