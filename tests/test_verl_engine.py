@@ -247,6 +247,18 @@ def test_temperature_other_than_one_is_refused(verl_env):
         w.infer_batch(td)
 
 
+def test_token_outside_the_vocabulary_is_refused_on_the_host(verl_env):
+    pt, path = reference("tiny", verl_env)
+    V = pt.run.model.vocab_size
+    _, td = ragged(V, "left", n=2)
+    td["responses"][1, 0] = V
+    td["input_ids"] = torch.cat([td["prompts"], td["responses"]], 1)
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+    with pytest.raises(ValueError, match=rf"token id {V} .* outside the vocabulary \[0, {V}\)"):
+        worker(path, "tiny").infer_batch(td)
+
+
 def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
     """verl's ppo_trainer with `model_engine=longmoe` and our config package on hydra's search
     path: the actor and the reference policy become LongMoEActorConfig with strategy longmoe

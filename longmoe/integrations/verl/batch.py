@@ -22,14 +22,22 @@ from longmoe.data.sample import Sample
 from longmoe.errors import UserError
 
 
-def check_sequences(data) -> None:
-    """Once per batch, on the host: input_ids is verl's no-padding nested tensor, every sequence
-    has a prompt token and a response token, and its positions are the plain 0..len-1 of each
-    sequence (longmoe derives positions from sample boundaries)."""
+def check_sequences(data, vocab_size: int) -> None:
+    """Once per batch, on the host: input_ids is verl's no-padding nested tensor of token ids in
+    [0, vocab_size) (on the device a bad id would be a device-side assert, and checking it there
+    a synchronisation), every sequence has a prompt token and a response token, and its
+    positions are the plain 0..len-1 of each sequence (longmoe derives positions from sample
+    boundaries)."""
     ids = data["input_ids"]
     if not getattr(ids, "is_nested", False):
         raise UserError("longmoe engine: input_ids must be verl's no-padding nested tensor "
                         "(left_right_2_no_padding); got a padded tensor")
+    values = ids.values().detach().cpu()
+    bad = ((values < 0) | (values >= vocab_size)).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise UserError(f"longmoe engine: input_ids holds token id {int(values[t])} (flat "
+                        f"position {t}), outside the vocabulary [0, {vocab_size})")
     offsets = ids.offsets().cpu()
     lengths = offsets.diff()
     short = (lengths < 2).nonzero()

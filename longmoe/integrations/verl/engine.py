@@ -202,7 +202,7 @@ class LongMoEEngine(BaseEngine):
                             "settings the fused path takes can train (docs/integrations/verl.md)")
         if fused is None:  # once per batch, on the host
             check_temperature(data)
-            check_sequences(data)
+            check_sequences(data, pt.run.model.vocab_size)
         # verl copies every field of the batch into its micro-batches; inference reads only
         # the tokens (and verl's settings), so the other fields are not copied
         split = infer_fields(data) if infer else data
