@@ -169,7 +169,7 @@ verl_tests() {
         end
     fi
     begin "tests: verl integration"
-    run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py tests/test_verl_ranks.py \
+    run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py tests/test_verl_ranks.py tests/test_verl_syncs.py \
         -m "slow or not slow"
     end
 }
