@@ -154,3 +154,33 @@ def test_logprobs_bench_smoke():
     for m in r["modes"].values():
         assert m["s"] > 0 and m["tokens_per_s"] == pytest.approx(r["trained_tokens"] / m["s"])
     assert "logprobs+entropy" in markdown_table(r)
+
+
+def test_host_checked_ids_skip_the_device_reads():
+    """check_values=False (PolicyTrainer, which range-checks token ids on the host before the
+    copy) reads no token id back: the range reductions and their host reads are gone, shapes
+    are still checked, and the log-probs are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from longmoe.rl.logprobs import compute_logprobs
+    m = _one_rank_model("tiny")
+    ids, labels = _batch(0, m.cfg.vocab_size)
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in (torch.ops.aten.any.default, torch.ops.aten._local_scalar_dense.default,
+                               torch.ops.aten.is_nonzero.default)
+            return func(*args, **(kwargs or {}))
+
+    got = {}
+    for values in (True, False):
+        with Reads() as reads:
+            lp, _ = compute_logprobs(m, ids, labels, check_values=values)
+        got[values] = (reads.n, lp)
+    assert got[True][0] - got[False][0] >= 2, {k: v[0] for k, v in got.items()}
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=0, atol=0)
+    with pytest.raises(UserError, match="labels .* differ"):
+        compute_logprobs(m, ids, labels[:, :-1], check_values=False)

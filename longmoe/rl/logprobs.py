@@ -13,9 +13,10 @@ import torch
 from longmoe.errors import UserError
 
 
-def _check(model, input_ids, labels, positions, packing):
+def _check(model, input_ids, labels, positions, packing, values: bool = True):
     """Host-side checks, before the first collective, so a bad batch stops every rank cleanly
-    instead of leaving its peers waiting in an all-gather."""
+    instead of leaving its peers waiting in an all-gather. `values`: the token ids' ranges too
+    (on a device tensor each read waits for the device's queue)."""
     V = model.cfg.vocab_size
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype.is_floating_point \
@@ -26,16 +27,8 @@ def _check(model, input_ids, labels, positions, packing):
     if labels.shape != input_ids.shape:
         raise UserError(f"compute_logprobs: labels {tuple(labels.shape)} and input_ids "
                         f"{tuple(input_ids.shape)} differ in shape")
-    bad = (input_ids < 0) | (input_ids >= V)
-    if bool(bad.any()):
-        r, s = (int(i) for i in bad.nonzero()[0])
-        raise UserError(f"compute_logprobs: input_ids[{r}, {s}]={int(input_ids[r, s])} is outside "
-                        f"the vocabulary [0, {V})")
-    bad = (labels != -100) & ((labels < 0) | (labels >= V))
-    if bool(bad.any()):
-        r, s = (int(i) for i in bad.nonzero()[0])
-        raise UserError(f"compute_logprobs: labels[{r}, {s}]={int(labels[r, s])} is outside "
-                        f"[0, {V}) and is not -100")
+    if values:
+        _check_ranges(input_ids, labels, V)
     if positions is not None and tuple(positions.shape) != (input_ids.shape[1],):
         raise UserError(f"compute_logprobs: positions {tuple(positions.shape)} must be "
                         f"[{input_ids.shape[1]}] (one per token of a row)")
@@ -47,16 +40,31 @@ def _check(model, input_ids, labels, positions, packing):
                         "positions=None with packing")
 
 
+def _check_ranges(input_ids, labels, V: int) -> None:
+    bad = (input_ids < 0) | (input_ids >= V)
+    if bool(bad.any()):
+        r, s = (int(i) for i in bad.nonzero()[0])
+        raise UserError(f"compute_logprobs: input_ids[{r}, {s}]={int(input_ids[r, s])} is outside "
+                        f"the vocabulary [0, {V})")
+    bad = (labels != -100) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        r, s = (int(i) for i in bad.nonzero()[0])
+        raise UserError(f"compute_logprobs: labels[{r}, {s}]={int(labels[r, s])} is outside "
+                        f"[0, {V}) and is not -100")
+
+
 def compute_logprobs(model, input_ids, labels, positions=None, packing=None,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, check_values: bool = True):
     """(log p(labels) [rows, tokens] fp32, entropy of the full softmax [rows, tokens] fp32 or
     None), no gradient. Tokens whose label is -100 get 0 in both. `model`: the (FSDP2-sharded,
     expert-parallel) MoETransformer; `positions` [tokens] (default 0..tokens-1) or `packing`
-    (PackedRows, samples end to end) as for its forward."""
+    (PackedRows, samples end to end) as for its forward. `check_values=False` skips the
+    token-id range checks, for callers that made the same checks on the host before the
+    copy (PolicyTrainer: longmoe.api.checks), so micro-batches queue without a host wait."""
     inner = getattr(model, "cfg", None)
     if inner is None:
         raise UserError("compute_logprobs: model must be a longmoe MoETransformer")
-    _check(model, input_ids, labels, positions, packing)
+    _check(model, input_ids, labels, positions, packing, check_values)
     # no_grad rather than inference_mode: FSDP2 keeps the head's unsharded weight across calls,
     # and a tensor made under inference mode could not be saved by the next training forward.
     with torch.no_grad():
