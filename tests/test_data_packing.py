@@ -197,3 +197,23 @@ def test_check_budget():
     check_budget(32, longest_prompt=40, policy="drop")
     with pytest.raises(ConfigError, match=">= 1"):
         check_budget(0)
+
+
+def test_batch_to_device_is_the_same_batch():
+    """PackedBatch.to: on the host as is; to an accelerator from page-locked memory without
+    blocking, the same values back (GPU only)."""
+    from longmoe.data.packing import pack_rows
+    from longmoe.data.sample import Sample
+    g = torch.Generator().manual_seed(3)
+    samples = [Sample(prompt=torch.randint(0, 50, (p,), generator=g),
+                      response=torch.randint(0, 50, (r,), generator=g), advantage=0.5)
+               for p, r in ((3, 5), (0, 7), (4, 2))]
+    pb = pack_rows([samples], pad_multiple=8)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        moved = pb.to(dev)
+        for f in pb.TOKEN_FIELDS:
+            got = getattr(moved, f)
+            assert got.device.type == dev, f
+            torch.testing.assert_close(got.cpu(), getattr(pb, f), rtol=0, atol=0, equal_nan=True)
+        assert moved.row_lengths == pb.row_lengths and moved.sample_index == pb.sample_index

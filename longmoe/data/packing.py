@@ -66,7 +66,14 @@ class PackedBatch:
         return replace(self, **{f: fn(getattr(self, f)) for f in self.TOKEN_FIELDS})
 
     def to(self, device) -> "PackedBatch":
-        return self.map_tokens(lambda t: t.to(device))
+        """On `device`. Host tensors go to an accelerator from page-locked memory without
+        blocking (a pageable copy waits for the device's queue to drain, so the next
+        micro-batch could not be queued behind the running one)."""
+        device = torch.device(device)
+        if device.type in ("cpu", "meta"):
+            return self.map_tokens(lambda t: t.to(device))
+        return self.map_tokens(lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
+                               .to(device, non_blocking=True))
 
     @property
     def row_len(self) -> int:

@@ -100,10 +100,3 @@ def to_nested(row_values: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     off = torch.tensor(offsets, dtype=torch.long, device=row_values.device)
     return torch.nested.nested_tensor_from_jagged(row_values[:total].contiguous(), off)
 
-
-def to_device(batch, device):
-    """A packed micro-batch on `device`: from pinned host memory without blocking the host on
-    an accelerator (a pageable copy waits for the device's queue to drain), as is on the host."""
-    if device.type == "cpu":
-        return batch.map_tokens(lambda t: t.to(device, non_blocking=True))
-    return batch.map_tokens(lambda t: t.pin_memory().to(device, non_blocking=True))

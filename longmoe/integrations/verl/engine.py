@@ -42,7 +42,7 @@ from longmoe.api.batches import whole_rows
 from longmoe.data.packing import pack_rows
 from longmoe.errors import ConfigError, UserError
 from longmoe.integrations.verl.batch import (check_sequences, check_temperature, infer_fields,
-                                             sequences, to_device, to_nested, to_samples)
+                                             sequences, to_nested, to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
@@ -267,13 +267,12 @@ class LongMoEEngine(BaseEngine):
     def _forward(self, mb: TensorDict, entropy: bool):
         """(per-token log-probs [1, row], entropies or None, aux loss, the micro-batch's
         sequence offsets) of one micro-batch, packed on the host and copied to the device
-        without blocking."""
+        without blocking (PackedBatch.to)."""
         pt = self.trainer
         values, offsets = sequences(mb)
         pb = pack_rows([to_samples(values, offsets)], pad_multiple=pad_multiple(pt.run),
                        min_len=min_row(pt.run))
-        batch, positions, packing = local_micro_batch(to_device(pb, pt.device), pt.layout,
-                                                      pt.device)
+        batch, positions, packing = local_micro_batch(pb, pt.layout, pt.device)
         row = int(pb.input_ids.shape[1])
         if pt.layout.cp > 1:
             set_cp_row_length(pt.model, pt.layout, row)
