@@ -275,6 +275,21 @@ def test_config_field_names_an_implementation():
         ImplConfig(norm="inductor")
 
 
+def test_run_config_reaches_every_norm():
+    """impl.norm is what build_model hands each RMSNorm and gated norm of the model."""
+    from longmoe.model.deltanet import GatedRMSNorm
+    from longmoe.model.layers import RMSNorm
+    from longmoe.parallel.mesh import Layout
+    from longmoe.train.config import from_dict
+    from longmoe.train.setup import build_model
+    run = from_dict({"model": {"preset": "tiny-hybrid"}, "parallel": {"ep": 1, "fsdp": False},
+                     "impl": {"norm": "compiled"}})
+    model = build_model(run, Layout(1, 0, 1, None, None, None), torch.device("cpu"))
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm))]
+    assert len(norms) > 10 and {m.impl for m in norms} == {"compiled"}
+    assert any(isinstance(m, GatedRMSNorm) for m in norms)
+
+
 @pytest.mark.needs_cuda
 def test_registry_picks_triton_on_gpu():
     from longmoe.ops.norm import CompiledNorms, TritonNorms, norm_ops
