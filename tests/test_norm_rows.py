@@ -1,6 +1,6 @@
 """The fused RMS norm kernels (ops/kernels/norm_rows.py) on CPU under TRITON_INTERPRET=1, paired
-with the eager functions they replace (longmoe.model.layers.rms_norm and norm_rope,
-longmoe.model.deltanet.gated_rms_norm) and with the same expressions in fp64: values and the
+with the eager functions they replace (rms_norm, norm_rope and gated_rms_norm, longmoe/ops/norm.py,
+also imported from longmoe.model.layers and deltanet) and with the same expressions in fp64: values and the
 gradients of x, the weight and the gate (random upstream weights), row counts that end in a
 partial tile of the host table's 4 rows and a partial backward program (2 tiles), widths of
 2048, 256, 128, 96 and 24, q as the layer slices it (beside the output gate, per head), shared

@@ -20,7 +20,7 @@ from longmoe.config import ModelConfig
 from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.gated_delta import gated_delta_rule
 from longmoe.ops.kernels import triton_ready
-from longmoe.ops.norm import norm_ops
+from longmoe.ops.norm import gated_rms_norm, norm_ops  # noqa: F401  (its reference, re-exported)
 
 
 def causal_conv_silu(x_BSC, w_CK, halo_BKC=None, history_BS=None):
@@ -43,16 +43,6 @@ def causal_conv_silu(x_BSC, w_CK, halo_BKC=None, history_BS=None):
             tap = tap * (history_BS >= back)[..., None].to(acc)
         y = tap * w[:, j] if y is None else y + tap * w[:, j]
     return F.silu(y).to(x_BSC.dtype)
-
-
-def gated_rms_norm(x, gate, weight, eps: float, dtype=None):
-    """RMSNorm(x) * weight * SiLU(gate) in the dtype of `gate`; x is first rounded to `dtype`
-    when given (the core's fp32 output enters the norm as the model dtype, as in HF)."""
-    x = x if dtype is None else x.to(dtype)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * xf.to(x.dtype)
-    return (y * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -10,16 +10,8 @@ from torch import nn
 
 from longmoe.config import ModelConfig
 from longmoe.ops.attention import Attention as SDPA
-from longmoe.ops.norm import norm_ops
-
-
-def rms_norm(x, weight, eps: float, unit_offset: bool):
-    """x / rms(x) * weight (or * (1 + weight) with `unit_offset`), in x's dtype. Normalised in
-    fp32: a bf16 mean of squares loses ~3 digits at H=2048; fp64 stays fp64 (references)."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    w = weight.to(xf.dtype) + 1.0 if unit_offset else weight.to(xf.dtype)
-    return (y * w).to(x.dtype)
+# the norms' eager references live with their registry (re-exported here, where they were)
+from longmoe.ops.norm import apply_rope, norm_ops, norm_rope, rms_norm  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -57,22 +49,6 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype):
     ang = positions.to(torch.float64)[..., None] * inv_freq
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def apply_rope(x_BSND, cos, sin):
-    """Rotate the first R dims of each head; the remaining D - R pass through (partial rotary).
-    cos/sin: [S, R] or [B, S, R] (rope_cos_sin)."""
-    r = cos.shape[-1]
-    rot, rest = x_BSND[..., :r], x_BSND[..., r:]
-    half = r // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos, sin = (t[..., None, :] if t.dim() == 3 else t[None, :, None, :] for t in (cos, sin))
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
-def norm_rope(x_BSND, weight, eps: float, unit_offset: bool, cos, sin):
-    """rms_norm over the head dim, then apply_rope."""
-    return apply_rope(rms_norm(x_BSND, weight, eps, unit_offset), cos, sin)
 
 
 class Attention(nn.Module):

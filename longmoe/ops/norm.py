@@ -12,8 +12,8 @@ Implementations:
              the token dim is not symbolic). Where torch.compile runs: GPUs, or any device
              under ops.compiled.forced / LONGMOE_FORCE_COMPILE (the CPU tests of the compiled
              graphs).
-  reference  the eager functions (longmoe.model.layers.rms_norm and norm_rope,
-             longmoe.model.deltanet.gated_rms_norm); the CPU path.
+  reference  the eager functions below (longmoe.model.layers and longmoe.model.deltanet,
+             where they were first, re-export them); the CPU path.
 
 "auto" on a GPU: triton (compiled where the kernels decline the tensors, e.g. fp64); on CPU:
 compiled when forced, else the reference, as before the kernels existed.
@@ -22,26 +22,60 @@ compiled when forced, else the reference, as before the kernels existed.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from longmoe.ops.compiled import compile_unavailable, compiled
 from longmoe.ops.registry import Registry
 
 NORM = Registry("norm")
 
 
+def rms_norm(x, weight, eps: float, unit_offset: bool):
+    """x / rms(x) * weight (or * (1 + weight) with `unit_offset`), in x's dtype. Normalised in
+    fp32: a bf16 mean of squares loses ~3 digits at H=2048; fp64 stays fp64 (references)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.to(xf.dtype) + 1.0 if unit_offset else weight.to(xf.dtype)
+    return (y * w).to(x.dtype)
+
+
+def apply_rope(x_BSND, cos, sin):
+    """Rotate the first R dims of each head; the remaining D - R pass through (partial rotary).
+    cos/sin: [S, R] or [B, S, R] (rope_cos_sin)."""
+    r = cos.shape[-1]
+    rot, rest = x_BSND[..., :r], x_BSND[..., r:]
+    half = r // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = (t[..., None, :] if t.dim() == 3 else t[None, :, None, :] for t in (cos, sin))
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def norm_rope(x_BSND, weight, eps: float, unit_offset: bool, cos, sin):
+    """rms_norm over the head dim, then apply_rope."""
+    return apply_rope(rms_norm(x_BSND, weight, eps, unit_offset), cos, sin)
+
+
+def gated_rms_norm(x, gate, weight, eps: float, dtype=None):
+    """RMSNorm(x) * weight * SiLU(gate) in the dtype of `gate`; x is first rounded to `dtype`
+    when given (the core's fp32 output enters the norm as the model dtype, as in HF)."""
+    x = x if dtype is None else x.to(dtype)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
 class ReferenceNorms:
     @staticmethod
     def rms_norm(x, weight, eps, unit_offset):
-        from longmoe.model.layers import rms_norm
         return rms_norm(x, weight, eps, unit_offset)
 
     @staticmethod
     def norm_rope(x_BSND, weight, eps, unit_offset, cos, sin):
-        from longmoe.model.layers import norm_rope
         return norm_rope(x_BSND, weight, eps, unit_offset, cos, sin)
 
     @staticmethod
     def gated_rms_norm(x, gate, weight, eps, dtype=None):
-        from longmoe.model.deltanet import gated_rms_norm
         return gated_rms_norm(x, gate, weight, eps, dtype)
 
 
@@ -51,22 +85,16 @@ class CompiledNorms:
 
     @staticmethod
     def rms_norm(x, weight, eps, unit_offset):
-        from longmoe.model.layers import rms_norm
-        from longmoe.ops.compiled import compiled
         return compiled(rms_norm, token_dims={0: -2})(x, weight, eps, unit_offset)
 
     @staticmethod
     def norm_rope(x_BSND, weight, eps, unit_offset, cos, sin):
-        from longmoe.model.layers import norm_rope
-        from longmoe.ops.compiled import compiled
         # cos/sin: [S, R] or [B, S, R]
         return compiled(norm_rope, token_dims={0: 1, 4: -2, 5: -2})(x_BSND, weight, eps,
                                                                     unit_offset, cos, sin)
 
     @staticmethod
     def gated_rms_norm(x, gate, weight, eps, dtype=None):
-        from longmoe.model.deltanet import gated_rms_norm
-        from longmoe.ops.compiled import compiled
         return compiled(gated_rms_norm, token_dims={0: 1, 1: 1})(x, gate, weight, eps, dtype)
 
 
@@ -101,7 +129,6 @@ def _triton_check(x: torch.Tensor, *others: torch.Tensor | None, named: bool = T
 
 
 def _compiled_check(x: torch.Tensor, *others, named: bool = True):
-    from longmoe.ops.compiled import compile_unavailable
     return compile_unavailable(x.device)
 
 

@@ -14,8 +14,8 @@ R rotary dims, P the partner column of the rotate-half (c + R/2 below R/2, c - R
   backward:        dx = r * (dn - n * sum(dn * n) / D) per row, dweight = sum over rows of
                    dz * n (fp32 partial sums per program, summed once by torch)
 
-All arithmetic in fp32, in the order of the eager functions (longmoe.model.layers.rms_norm and
-norm_rope, longmoe.model.deltanet.gated_rms_norm), and every rounding the eager chain makes to a
+All arithmetic in fp32, in the order of the eager functions (rms_norm, norm_rope and
+gated_rms_norm in longmoe/ops/norm.py), and every rounding the eager chain makes to a
 16-bit dtype on the way (RoPE's products and sum in x's dtype, the gated norm's normalised x)
 is made here too, so the two differ only in the order of the fp32 row sums (and the
 approximate rsqrt/exp of a GPU). The row index is int32 (the launcher checks M); offsets are
