@@ -334,12 +334,12 @@ def why_not(x: torch.Tensor, *others: torch.Tensor | None) -> str | None:
 
 
 def rms_norm_rows(x, weight, eps: float, unit_offset: bool):
-    """longmoe.model.layers.rms_norm as one kernel each way."""
+    """ops.norm.rms_norm as one kernel each way."""
     return NormRows.apply(x, weight, float(eps), bool(unit_offset), None, None)
 
 
 def norm_rope_rows(x_BSND, weight, eps: float, unit_offset: bool, cos, sin):
-    """longmoe.model.layers.norm_rope as one kernel each way: cos/sin [S, R] or [B, S, R]."""
+    """ops.norm.norm_rope as one kernel each way: cos/sin [S, R] or [B, S, R]."""
     R = cos.shape[-1]
     if R % 2 or not 0 < R <= x_BSND.shape[-1]:
         raise ValueError(f"norm_rows: {R} rotary dims of a {x_BSND.shape[-1]}-wide head")
@@ -347,7 +347,7 @@ def norm_rope_rows(x_BSND, weight, eps: float, unit_offset: bool, cos, sin):
 
 
 def gated_rms_norm_rows(x, gate, weight, eps: float, dtype=None):
-    """longmoe.model.deltanet.gated_rms_norm as one kernel each way."""
+    """ops.norm.gated_rms_norm as one kernel each way."""
     if x.shape != gate.shape:
         raise ValueError(f"norm_rows: x {tuple(x.shape)} and gate {tuple(gate.shape)} differ")
     return GatedNormRows.apply(x, gate, weight, float(eps), dtype)
