@@ -429,13 +429,13 @@ def test_named_impls_checked_per_field():
     check_named_impls(ImplConfig(), cpu, torch.bfloat16)
     fields = [f for f, _, _ in _probes(cpu, torch.float32)]
     assert fields == ["linear_ce", "policy_loss", "grouped_mm", "moe_rows", "router_matmul",
-                      "gated_delta", "attention"]
+                      "gated_delta", "norm", "attention"]
     for field, name in (("router_matmul", "mixed"), ("grouped_mm", "torch"),
-                        ("gated_delta", "fla"), ("attention", "varlen")):
+                        ("gated_delta", "fla"), ("norm", "compiled"), ("attention", "varlen")):
         with pytest.raises(UserError, match=f"impl.{field}: '{name}'"):
             check_named_impls(ImplConfig(**{field: name}), cpu, torch.bfloat16)
     # references always run
     check_named_impls(ImplConfig(router_matmul="reference", grouped_mm="reference",
                                  moe_rows="reference", gated_delta="reference",
-                                 attention="reference"),
+                                 norm="reference", attention="reference"),
                       cpu, torch.bfloat16)

@@ -15,6 +15,7 @@ def _probes(device: torch.device, dtype: torch.dtype):
     from longmoe.ops.document_attention import DOCUMENT_ATTENTION, DocumentSpan
     from longmoe.ops.gated_delta import GATED_DELTA
     from longmoe.ops.moe_rows import MOE_ROWS
+    from longmoe.ops.norm import NORM
     from longmoe.ops.router_matmul import ROUTER_MATMUL
 
     def t(*shape, dt=dtype):
@@ -27,6 +28,7 @@ def _probes(device: torch.device, dtype: torch.dtype):
             ("moe_rows", MOE_ROWS, (t(4, 32),)),
             ("router_matmul", ROUTER_MATMUL, (t(4, 32), t(8, 32))),
             ("gated_delta", GATED_DELTA, (*qkv, t(1, 64, 1), t(1, 64, 1))),
+            ("norm", NORM, (t(4, 32), t(32))),
             # the document-causal names of impl.attention (the SDPA backends are torch's)
             ("attention", DOCUMENT_ATTENTION, (*qkv, DocumentSpan.causal(1, 64, device=device))))
 
