@@ -110,6 +110,10 @@ def _gpu_rank(rank, world, backend, d, samples):
         t.forward_backward(samples[:3])  # pending gradients travel too
     torch.cuda.synchronize()
     before, res["allocated"] = _state(pt), torch.cuda.memory_allocated()
+    # the trainer's own device bytes (parameters, gradients, masters, moments); the allocator
+    # also holds what both trainers share (cuBLAS workspaces), which stays
+    res["own"] = sum(v.numel() * v.element_size() for k, v in before.items()
+                     if not k.endswith(".step"))
     pt.offload()
     res["offloaded"] = torch.cuda.memory_allocated()
     res["placed"] = _placed(pt)
@@ -132,8 +136,7 @@ def test_offload_frees_the_device_and_reload_restores_on_gpu(fsdp, param_dtype):
     d["parallel"]["param_dtype"] = param_dtype
     d["model"]["hidden_size"] = 512  # parameters large enough that what stays is visible
     res = run_ranks(_gpu_rank, 1, d, make_samples(7, 4), device="cuda")[0]
-    twin_bytes = res["allocated"] / 2  # two trainers were alive before the offload
-    assert res["allocated"] - res["offloaded"] >= 0.95 * twin_bytes, res
+    assert res["allocated"] - res["offloaded"] >= 0.95 * res["own"], res
     assert res["placed"] == {"cpu"} and res["pinned"], res
     assert res["placed_after"] == {"cuda"}, res
     assert res["same"] == res["keys"]
