@@ -535,6 +535,9 @@ def test_verl_infer_syncs_no_more_than_direct(verl_env, budget):
               f"{table(d, 'sync')}\nverl device ops:\n{table(v, 'device')}\ndirect device "
               f"ops:\n{table(d, 'device')}")
     assert cv["forwards"] == (3 if budget == 24 else 1) and cd["forwards"] == 1, report
+    # the audit follows both paths' tensors onto the trainer's device (it tracks the device
+    # object itself: a copy made with another one would drop out of every count below)
+    assert cv["device_ops"] > 0 and cd["device_ops"] > 0, report
     assert cv["syncs_after"] <= cd["syncs_after"], report
     assert cv["syncs_before"] + cv["syncs_after"] <= cd["syncs_before"] + cd["syncs_after"], report
     assert cv["device_ops"] / cv["forwards"] <= cd["device_ops"] / cd["forwards"], report

@@ -69,9 +69,9 @@ class PackedBatch:
         """On `device`. Host tensors go to an accelerator from page-locked memory without
         blocking (a pageable copy waits for the device's queue to drain, so the next
         micro-batch could not be queued behind the running one)."""
-        device = torch.device(device)
-        if device.type in ("cpu", "meta"):
-            return self.map_tokens(lambda t: t.to(device))
+        kind = torch.device(device).type
+        if kind in ("cpu", "meta"):
+            return self.map_tokens(lambda t: t.to(device, non_blocking=True))
         return self.map_tokens(lambda t: (t.pin_memory() if t.device.type == "cpu" else t)
                                .to(device, non_blocking=True))
 
