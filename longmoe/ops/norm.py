@@ -66,17 +66,9 @@ def gated_rms_norm(x, gate, weight, eps: float, dtype=None):
 
 
 class ReferenceNorms:
-    @staticmethod
-    def rms_norm(x, weight, eps, unit_offset):
-        return rms_norm(x, weight, eps, unit_offset)
-
-    @staticmethod
-    def norm_rope(x_BSND, weight, eps, unit_offset, cos, sin):
-        return norm_rope(x_BSND, weight, eps, unit_offset, cos, sin)
-
-    @staticmethod
-    def gated_rms_norm(x, gate, weight, eps, dtype=None):
-        return gated_rms_norm(x, gate, weight, eps, dtype)
+    rms_norm = staticmethod(rms_norm)
+    norm_rope = staticmethod(norm_rope)
+    gated_rms_norm = staticmethod(gated_rms_norm)
 
 
 class CompiledNorms:
