@@ -27,8 +27,15 @@ def apply_fsdp(model: MoETransformer, layout: Layout, param_dtype: torch.dtype,
         if layout.ep > 1:
             fully_shard(block.moe.experts, mesh=layout.expert_mesh, **kw)
         fully_shard(layer, mesh=layout.dp_mesh, **kw)
+    # The root and the head take no activation that needs casting (token ids; the last block's
+    # output is in param_dtype already) but do take the RL loss's per-token inputs (advantages,
+    # aggregation weights, old/ref/rollout log-probs) and the rollout temperature, which must
+    # reach the loss as given: FSDP's default casts every floating-point forward argument,
+    # dataclass fields included, to param_dtype (bf16 would move a log-prob of -5 by up to 0.01).
+    exact = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                 cast_forward_inputs=False)
     # The head's weight is saved for the linear-CE backward right after forward: keep it unsharded.
-    fully_shard(model.head, mesh=layout.dp_mesh, mp_policy=mp, reshard_after_forward=False,
+    fully_shard(model.head, mesh=layout.dp_mesh, mp_policy=exact, reshard_after_forward=False,
                 offload_policy=offload)
-    fully_shard(model, mesh=layout.dp_mesh, **kw)
+    fully_shard(model, mesh=layout.dp_mesh, **{**kw, "mp_policy": exact})
     return model
