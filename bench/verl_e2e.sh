@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # The fused ppo_loss path (longmoe/integrations/verl/fused.py) needs token-mean, no KL loss and
-# no entropy term; rollout temperature 1 (the LM head computes log p at temperature 1).
+# no entropy term. Any rollout temperature works (the LM head divides by it).
 python3 -m verl.trainer.main_ppo \
     'hydra.searchpath=[pkg://longmoe.integrations.verl.configs]' \
     model_engine=longmoe \

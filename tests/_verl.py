@@ -212,12 +212,15 @@ def ragged(V, prompt_side, n=6, seed=0):
     return samples, td
 
 
-def verl_logprobs(w, td, budget, entropy=True):
+def verl_logprobs(w, td, budget, entropy=True, temperature=None):
     """The trainer's _compute_old_log_prob: no padding in, verl's padded layout out; `budget`:
-    max_token_len_per_gpu (log_prob_max_token_len_per_gpu)."""
+    max_token_len_per_gpu (log_prob_max_token_len_per_gpu); `temperature`: verl's setting (a
+    number; a per-sequence tensor rides in `td` itself)."""
     td = left_right_2_no_padding(td.clone())
     tu.assign_non_tensor(td, calculate_entropy=entropy, compute_loss=False,
                          max_token_len_per_gpu=budget)
+    if temperature is not None:
+        tu.assign_non_tensor(td, temperature=temperature)
     out = w.infer_batch(td)
     lp = no_padding_2_padding(tu.get(out, "log_probs"), td)
     ent = no_padding_2_padding(tu.get(out, "entropy"), td) if entropy else None
@@ -231,17 +234,20 @@ def _train_inputs(pt, td, samples):
     td = td.clone()
     td["old_log_probs"] = torch.stack([torch.nn.functional.pad(o, (0, R - o.numel()))
                                        for o in old])
-    return td, [Sample(s.prompt, s.response, s.advantage, old_logprobs=o, index=s.index)
+    return td, [Sample(s.prompt, s.response, s.advantage, old_logprobs=o,
+                       temperature=s.temperature, index=s.index)
                 for s, o in zip(samples, old)]
 
 
-def train_mini_batch(w, td, batch_size, epochs=1):
+def train_mini_batch(w, td, batch_size, epochs=1, temperature=1.0):
     """verl's update_actor call on the worker: `td` through left_right_2_no_padding into
     mini-batches of `batch_size`, `epochs` passes, no shuffle; the metrics (None on a rank that
     returns no outputs). A fresh batch each call: train_mini_batch pops its settings."""
     batch = left_right_2_no_padding(td.clone())
     tu.assign_non_tensor(batch, global_batch_size=batch_size, mini_batch_size=batch_size,
                          epochs=epochs, seed=0, dataloader_kwargs={"shuffle": False},
-                         calculate_entropy=False, temperature=1.0)
+                         calculate_entropy=False)
+    if "temperature" not in batch.keys():  # a per-sequence tensor rides in `td` itself
+        tu.assign_non_tensor(batch, temperature=temperature)
     out = w.train_mini_batch(batch)
     return None if out is None else tu.get(out, "metrics")

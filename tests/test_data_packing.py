@@ -206,9 +206,11 @@ def test_batch_to_device_is_the_same_batch():
     from longmoe.data.sample import Sample
     g = torch.Generator().manual_seed(3)
     samples = [Sample(prompt=torch.randint(0, 50, (p,), generator=g),
-                      response=torch.randint(0, 50, (r,), generator=g), advantage=0.5)
-               for p, r in ((3, 5), (0, 7), (4, 2))]
+                      response=torch.randint(0, 50, (r,), generator=g), advantage=0.5,
+                      temperature=t)
+               for p, r, t in ((3, 5, 1.0), (0, 7, 0.7), (4, 2, 1.0))]
     pb = pack_rows([samples], pad_multiple=8)
+    assert pb.temperature is not None
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
         moved = pb.to(dev)

@@ -237,16 +237,6 @@ def test_checkpoint_max_ckpt_to_keep(verl_env):
     assert all((run / f"global_step_{n}" / "actor" / "latest").is_file() for n in (7, 8, 9))
 
 
-def test_temperature_other_than_one_is_refused(verl_env):
-    pt, path = reference("tiny", verl_env)
-    _, td = ragged(pt.run.model.vocab_size, "left", n=2)
-    w = worker(path, "tiny")
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, temperature=0.7)
-    with pytest.raises(ValueError, match="temperature must be 1.0"):
-        w.infer_batch(td)
-
-
 def test_token_outside_the_vocabulary_is_refused_on_the_host(verl_env):
     pt, path = reference("tiny", verl_env)
     V = pt.run.model.vocab_size

@@ -87,8 +87,18 @@ def check_samples(samples, what: str, vocab_size: int, require: dict[str, str] |
         R = s.response.numel()
         if R == 0:
             raise UserError(f"{name}: response is empty")
+        _check_temperature(name, s.temperature)
         if signal:
             _check_signal(name, s, R, require or {}, R if kept is None else kept[k])
+
+
+def _check_temperature(name: str, t) -> None:
+    """The rollout's sampling temperature: a positive finite number (it divides the logits)."""
+    if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+        t = float(t)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise UserError(f"{name}: temperature: {t!r} is not a positive finite number (the "
+                        f"rollout's sampling temperature)")
 
 
 def _check_mask(name: str, s: Sample, R: int) -> None:
@@ -180,6 +190,7 @@ def sample_digests(samples, signal: bool = True) -> list[int]:
         if isinstance(s, Sample):
             _tensor_bytes(h, "p", s.prompt)
             _tensor_bytes(h, "r", s.response)
+            _tensor_bytes(h, "t", float(s.temperature))
             if signal:
                 _tensor_bytes(h, "a", s.advantage)
                 for f in (*LOGPROB_FIELDS, "loss_mask"):

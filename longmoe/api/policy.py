@@ -377,7 +377,8 @@ class PolicyTrainer:
                 set_cp_row_length(self.model, self.layout, mb.row_len)
             # token ids were range-checked on the host (_checked): no device read per micro-batch
             lp, ent = forward_logprobs(self.model, batch.input_ids, batch.labels, positions,
-                                       packing, with_entropy, check_values=False)
+                                       packing, with_entropy, check_values=False,
+                                       temperature=batch.temperature)
             got = [whole_rows(lp, mb.row_len, self.layout)]
             if with_entropy:
                 got.append(whole_rows(ent, mb.row_len, self.layout))

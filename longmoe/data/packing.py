@@ -17,6 +17,9 @@ With `label_tail` a row's last sample may hold one token more than the row has p
 token is never an input, only the label of the row's last position (full rows of seq_len train
 a sample of seq_len + 1 tokens).
 
+`temperature` (None when every sample's is 1) gives every position its sample's rollout
+temperature (1 on padding): the LM head divides that position's logits by it.
+
 `sample_tokens` gives every token its whole sample's trained-token count (0 on padding), for the
 per-sample loss aggregation modes; it is counted here, before a context-parallel split of a row,
 and travels with the tokens. `packed` says what the model is told: True, rows of samples end to
@@ -57,13 +60,17 @@ class PackedBatch:
     row_lengths: tuple[tuple[int, ...], ...]    # per row, its samples' tokens in it, in order
     sample_index: tuple[tuple[int, ...], ...]   # per row, its samples' source indices
     packed: bool = True             # rows of samples end to end (else one sample a row)
+    temperature: torch.Tensor | None = None     # [R, S] float32; None: every sample's is 1
 
     TOKEN_FIELDS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs",
-                    "rollout_logprobs", "sample_ids", "positions", "sample_tokens")
+                    "rollout_logprobs", "sample_ids", "positions", "sample_tokens",
+                    "temperature")
 
     def map_tokens(self, fn) -> "PackedBatch":
-        """The same batch with `fn` applied to every per-token tensor."""
-        return replace(self, **{f: fn(getattr(self, f)) for f in self.TOKEN_FIELDS})
+        """The same batch with `fn` applied to every per-token tensor (the absent ones stay
+        None)."""
+        return replace(self, **{f: fn(t) for f in self.TOKEN_FIELDS
+                                if (t := getattr(self, f)) is not None})
 
     def to(self, device) -> "PackedBatch":
         """On `device`. Host tensors go to an accelerator from page-locked memory without
@@ -135,6 +142,9 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
     logps = {k: torch.full((n, S), float("nan")) for k in LOGPROB_FIELDS}
     sid = torch.full((n, S), -1, dtype=torch.long)
     pos = torch.zeros(n, S, dtype=torch.long)
+    # decided on the host: at temperature 1 everywhere the head does no per-token division
+    temp = (torch.ones(n, S) if any(float(s.temperature) != 1.0 for row in rows for s in row)
+            else None)
     k = 0
     placed = []
     for r, row in enumerate(rows):
@@ -146,6 +156,8 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
             ids[r, o:o + n] = torch.cat([s.prompt, s.response])[:n]
             sid[r, o:o + n] = k
             pos[r, o:o + n] = torch.arange(n)
+            if temp is not None:
+                temp[r, o:o + n] = float(s.temperature)
             placed[-1].append(n)
             # The response tokens from `first` on are the labels of one contiguous run of
             # positions; writing them as slices, not through index tensors, matters: an indexed
@@ -166,7 +178,7 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
                        logps["rollout_logprobs"], sid, pos, _sample_tokens(labels, sid, k),
                        row_lengths=tuple(map(tuple, placed)),
                        sample_index=tuple(tuple(s.index for s in row) for row in rows),
-                       packed=packed)
+                       packed=packed, temperature=temp)
 
 
 def _sample_tokens(labels: torch.Tensor, sample_ids: torch.Tensor, n: int) -> torch.Tensor:

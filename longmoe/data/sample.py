@@ -14,6 +14,9 @@ Field names are those of a JSONL object or Parquet row:
   rollout_logprobs            per response token (optional; the inference engine's, for TIS)
   loss_mask                   0/1 or true/false per response token (optional; missing means all
                               trained)
+  temperature                 the rollout's sampling temperature (optional, > 0; missing means 1):
+                              log-probs are those of softmax(logits / temperature), as the
+                              rollout engine sampled from
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
-FIELDS = ("prompt", "response", "advantage", *LOGPROB_FIELDS, "loss_mask")
+FIELDS = ("prompt", "response", "advantage", *LOGPROB_FIELDS, "loss_mask", "temperature")
 
 
 # eq=False: tensors have no single truth value, and two draws being "equal" is never what a
@@ -37,6 +40,7 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None       # [R] bool (the API also takes 0/1 numbers)
+    temperature: float = 1.0                    # the rollout's sampling temperature, > 0
     index: int = 0
     where: str = ""
 
@@ -61,7 +65,7 @@ class Sample:
                    old_logprobs=floats("old_logprobs"), ref_logprobs=floats("ref_logprobs"),
                    rollout_logprobs=floats("rollout_logprobs"),
                    loss_mask=None if mask is None else torch.as_tensor(mask).to(torch.bool),
-                   index=index, where=where)
+                   temperature=float(row.get("temperature", 1.0)), index=index, where=where)
 
     def truncated(self, length: int) -> "Sample":
         """The first `length` tokens: the prompt whole and a prefix of the response (every

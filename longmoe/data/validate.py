@@ -112,6 +112,11 @@ def check_sample(row: dict, where: str, vocab_size: int,
             if v > 0:
                 raise UserError(f"{where}: {key}[{i}]: {v} is positive (a log-probability "
                                 f"is <= 0)")
+    if "temperature" in row:
+        t = row["temperature"]
+        if not _is_number(t) or not math.isfinite(t) or not 0 < t <= F32_MAX:
+            raise UserError(f"{where}: temperature: {t!r} is not a positive finite number (the "
+                            f"rollout's sampling temperature)")
     for i, v in enumerate(_per_token(row, "loss_mask", n, where) or []):
         # true/false, 0/1 or 0.0/1.0: a Parquet bool column, numpy floats, JSON integers
         if not isinstance(v, (bool, int, float)) or v not in (0, 1):

@@ -76,12 +76,18 @@ class LMHead(nn.Module):
         self.chunk_tokens: int | None = None  # None: sized from the linear-CE byte budget
 
     def forward(self, x_BSH, labels_BS, with_entropy: bool = False,
-                policy: FusedLoss | None = None):
+                policy: FusedLoss | None = None, temperature_BS=None):
         """(logprobs, entropy or None, loss or None). With `policy` (the objective, its
         per-token inputs and the POLICY_LOSS impl) the RL loss is fused into the head: its
         gradient is computed in the forward and the returned log-probs/entropy are detached,
-        for logging."""
+        for logging. `temperature_BS` (per position, > 0; None: 1 everywhere): log-probs and
+        entropy of softmax(logits / temperature), as a rollout sampled them. Logits are
+        linear in h, so h is divided instead (in fp32, rounded once to h's dtype): no
+        [tokens, vocab] logits exist to divide."""
         h = self.norm(x_BSH)
+        if temperature_BS is not None:
+            h = (h / temperature_BS.unsqueeze(-1).to(torch.promote_types(h.dtype, torch.float32))
+                 ).to(h.dtype)
         if policy is not None:
             loss, lp, ent = linear_policy_loss(h, self.weight, labels_BS, policy.objective,
                                                policy.inputs, impl=policy.impl,
@@ -106,14 +112,17 @@ class MoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False,
-                policy: FusedLoss | None = None, packing: PackedRows | None = None):
+                policy: FusedLoss | None = None, packing: PackedRows | None = None,
+                temperature_BS=None):
         """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar, policy loss or
         None); see LMHead.forward for `policy`. `packing`: the rows' samples (PackedRows, on
         this device; under context parallelism this rank's share, local_packing); its
         positions drive RoPE, so `positions_S` must then be None. Without it every row is one
-        sample at positions `positions_S` (default 0..S-1)."""
+        sample at positions `positions_S` (default 0..S-1). `temperature_BS`: the rollout's
+        sampling temperature per position (LMHead.forward)."""
         x_BSH, aux = self.hidden_states(input_ids_BS, positions_S, packing)
-        logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy)
+        logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy,
+                                            temperature_BS)
         return logprobs, entropy, aux, loss
 
     def hidden_states(self, input_ids_BS, positions_S=None, packing: PackedRows | None = None):

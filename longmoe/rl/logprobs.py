@@ -13,7 +13,7 @@ import torch
 from longmoe.errors import UserError
 
 
-def _check(model, input_ids, labels, positions, packing, values: bool = True):
+def _check(model, input_ids, labels, positions, packing, values: bool = True, temperature=None):
     """Host-side checks, before the first collective, so a bad batch stops every rank cleanly
     instead of leaving its peers waiting in an all-gather. `values`: the token ids' ranges too
     (on a device tensor each read waits for the device's queue)."""
@@ -35,6 +35,16 @@ def _check(model, input_ids, labels, positions, packing, values: bool = True):
     if packing is not None and tuple(packing.shape) != tuple(input_ids.shape):
         raise UserError(f"compute_logprobs: packing {tuple(packing.shape)} does not match "
                         f"input_ids {tuple(input_ids.shape)}")
+    if temperature is not None:
+        if not isinstance(temperature, torch.Tensor) or tuple(temperature.shape) != \
+                tuple(input_ids.shape) or not temperature.dtype.is_floating_point:
+            raise UserError(f"compute_logprobs: temperature must be a float tensor shaped like "
+                            f"input_ids {tuple(input_ids.shape)}, got "
+                            f"{getattr(temperature, 'dtype', type(temperature).__name__)} "
+                            f"{tuple(getattr(temperature, 'shape', ()))}")
+        if values and not bool(((temperature > 0) & torch.isfinite(temperature)).all()):
+            raise UserError("compute_logprobs: temperature holds a value that is not a positive "
+                            "finite number")
     if packing is not None and positions is not None:
         raise UserError("compute_logprobs: packed rows carry their own positions: pass "
                         "positions=None with packing")
@@ -54,20 +64,22 @@ def _check_ranges(input_ids, labels, V: int) -> None:
 
 
 def compute_logprobs(model, input_ids, labels, positions=None, packing=None,
-                     with_entropy: bool = False, check_values: bool = True):
+                     with_entropy: bool = False, check_values: bool = True, temperature=None):
     """(log p(labels) [rows, tokens] fp32, entropy of the full softmax [rows, tokens] fp32 or
     None), no gradient. Tokens whose label is -100 get 0 in both. `model`: the (FSDP2-sharded,
     expert-parallel) MoETransformer; `positions` [tokens] (default 0..tokens-1) or `packing`
     (PackedRows, samples end to end) as for its forward. `check_values=False` skips the
     token-id range checks, for callers that made the same checks on the host before the
-    copy (PolicyTrainer: longmoe.api.checks), so micro-batches queue without a host wait."""
+    copy (PolicyTrainer: longmoe.api.checks), so micro-batches queue without a host wait.
+    `temperature` [rows, tokens] (> 0, None: 1): per position, the rollout's sampling
+    temperature; the values are those of softmax(logits / temperature)."""
     inner = getattr(model, "cfg", None)
     if inner is None:
         raise UserError("compute_logprobs: model must be a longmoe MoETransformer")
-    _check(model, input_ids, labels, positions, packing, check_values)
+    _check(model, input_ids, labels, positions, packing, check_values, temperature)
     # no_grad rather than inference_mode: FSDP2 keeps the head's unsharded weight across calls,
     # and a tensor made under inference mode could not be saved by the next training forward.
     with torch.no_grad():
         lp, ent, _, _ = model(input_ids, labels, positions, with_entropy=with_entropy,
-                              packing=packing)
+                              packing=packing, temperature_BS=temperature)
     return lp.float(), (ent.float() if ent is not None else None)

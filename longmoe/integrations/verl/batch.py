@@ -63,8 +63,10 @@ def check_sequences(data, vocab_size: int) -> None:
 
 
 def infer_fields(data):
-    """What inference reads of a batch: its tokens and verl's settings (non-tensor entries)."""
-    keep = ["input_ids"] + [k for k in data.keys() if not isinstance(data[k], torch.Tensor)]
+    """What inference reads of a batch: its tokens, verl's settings (non-tensor entries) and a
+    per-sequence temperature."""
+    keep = ["input_ids"] + [k for k in data.keys() if not isinstance(data[k], torch.Tensor)
+                            or k == "temperature"]
     return data.select(*keep)
 
 
@@ -75,22 +77,37 @@ def sequences(micro_batch) -> tuple[torch.Tensor, list[int]]:
     return ids.values().detach().cpu().long(), ids.offsets().tolist()
 
 
-def to_samples(values: torch.Tensor, offsets: list[int]) -> list[Sample]:
-    """One sample per sequence, every next token labelled (see the module docstring)."""
+def to_samples(values: torch.Tensor, offsets: list[int],
+               temps: list[float] | None = None) -> list[Sample]:
+    """One sample per sequence, every next token labelled (see the module docstring), at its
+    rollout temperature (`temps`, from temperatures(); None: 1)."""
     return [Sample(values[a:a + 1], values[a + 1:b], advantage=0.0, index=i,
+                   temperature=1.0 if temps is None else temps[i],
                    where=f"micro-batch sequence {i}")
             for i, (a, b) in enumerate(zip(offsets, offsets[1:]))]
 
 
-def check_temperature(micro_batch) -> None:
-    """longmoe's LM head computes log p at temperature 1 (no [tokens, vocab] logits to scale)."""
+def temperatures(micro_batch) -> list[float] | None:
+    """Per sequence, the rollout temperature verl's trainer attaches to a batch (a number for
+    all, or a [bsz] tensor, one per sequence); None where it is absent or 1 for every sequence.
+    The LM head divides each sequence's logits by its value (LMHead.forward), as verl's FSDP
+    engine does. Host only: the value is verl's setting, or a host tensor."""
     if "temperature" not in micro_batch.keys():
-        return
-    t = micro_batch["temperature"]  # a float (non-tensor data) or one per sequence
-    t = torch.as_tensor(t.values() if getattr(t, "is_nested", False) else t, dtype=torch.float64)
-    if t.numel() and not bool((t == 1.0).all()):
-        raise UserError(f"longmoe engine: temperature must be 1.0 (rollout.temperature); got "
-                        f"{sorted(set(t.flatten().tolist()))[:4]}")
+        return None
+    t = micro_batch["temperature"]
+    n = micro_batch.batch_size[0] if len(micro_batch.batch_size) else None
+    v = torch.as_tensor(t.values() if getattr(t, "is_nested", False) else t,
+                        dtype=torch.float64).detach().cpu().reshape(-1)
+    if v.numel() == 1 and n is not None:
+        v = v.expand(n)
+    if n is not None and v.numel() != n:
+        raise UserError(f"longmoe engine: temperature has {v.numel()} values for {n} sequences "
+                        f"(one number, or one per sequence)")
+    bad = ~(torch.isfinite(v) & (v > 0))
+    if bool(bad.any()):
+        raise UserError(f"longmoe engine: temperature {float(v[bad][0])} is not a positive "
+                        f"finite number (rollout.temperature)")
+    return None if bool((v == 1.0).all()) else v.tolist()
 
 
 def to_nested(row_values: torch.Tensor, offsets: list[int]) -> torch.Tensor:

@@ -41,8 +41,8 @@ from longmoe.api import PolicyTrainer
 from longmoe.api.batches import whole_rows
 from longmoe.data.packing import pack_rows
 from longmoe.errors import ConfigError, UserError
-from longmoe.integrations.verl.batch import (check_sequences, check_temperature, infer_fields,
-                                             sequences, to_nested, to_samples)
+from longmoe.integrations.verl.batch import (check_sequences, infer_fields, sequences,
+                                             temperatures, to_nested, to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
@@ -200,8 +200,8 @@ class LongMoEEngine(BaseEngine):
         if layout.cp > 1 and not forward_only and fused is None:
             raise UserError("longmoe engine: under parallel.cp > 1 only verl's ppo_loss with "
                             "settings the fused path takes can train (docs/integrations/verl.md)")
-        if fused is None:  # once per batch, on the host
-            check_temperature(data)
+        temperatures(data)  # once per batch, on the host: refused before any micro-batch runs
+        if fused is None:
             check_sequences(data, pt.run.model.vocab_size)
         # verl copies every field of the batch into its micro-batches; inference reads only
         # the tokens (and verl's settings), so the other fields are not copied
@@ -270,14 +270,15 @@ class LongMoEEngine(BaseEngine):
         without blocking (PackedBatch.to)."""
         pt = self.trainer
         values, offsets = sequences(mb)
-        pb = pack_rows([to_samples(values, offsets)], pad_multiple=pad_multiple(pt.run),
-                       min_len=min_row(pt.run))
+        pb = pack_rows([to_samples(values, offsets, temperatures(mb))],
+                       pad_multiple=pad_multiple(pt.run), min_len=min_row(pt.run))
         batch, positions, packing = local_micro_batch(pb, pt.layout, pt.device)
         row = int(pb.input_ids.shape[1])
         if pt.layout.cp > 1:
             set_cp_row_length(pt.model, pt.layout, row)
         lp, ent, aux, _ = pt.model(batch.input_ids, batch.labels, positions,
-                                   with_entropy=entropy, packing=packing)
+                                   with_entropy=entropy, packing=packing,
+                                   temperature_BS=batch.temperature)
         if pt.layout.cp > 1:  # forward only (see forward_backward_batch): whole rows back
             lp = whole_rows(lp, row, pt.layout)
             ent = whole_rows(ent, row, pt.layout) if entropy else None

@@ -27,6 +27,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
 from longmoe.data.packing import pack_rows
+from longmoe.integrations.verl.batch import temperatures
 from longmoe.data.sample import Sample
 from longmoe.train.feed import min_row, pad_multiple
 from longmoe.train.setup import set_cp_row_length
@@ -71,10 +72,12 @@ def micro_samples(mb) -> list[Sample]:
     plen, rlen = att[:, :P].sum(1).tolist(), att[:, P:].sum(1).tolist()
     adv, old = mb["advantages"].float().cpu(), mb["old_log_probs"].float().cpu()
     mask = mb["response_mask"].cpu().bool()
+    temps = temperatures(mb)
     out = []
     for i, (a, p, r) in enumerate(zip(offsets, plen, rlen)):
         out.append(Sample(values[a:a + p], values[a + p:a + p + r], advantage=adv[i, :r].clone(),
                           old_logprobs=old[i, :r].clone(), loss_mask=mask[i, :r].clone(),
+                          temperature=1.0 if temps is None else temps[i],
                           index=i, where=f"micro-batch sample {i}"))
     return out
 
