@@ -217,3 +217,27 @@ def test_fsdp_hands_the_loss_inputs_and_temperature_to_the_head_unrounded():
         assert {float(v) for v in old} <= given_old
         if "temperature" in c:
             assert {float(v) for v in c["temperature"].unique()} <= given_t | {1.0}
+
+
+def test_jsonl_and_parquet_rows_carry_the_temperature(tmp_path):
+    """The `temperature` field of a JSONL line or Parquet row reaches the sample (missing: 1),
+    checked by the row validator."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from longmoe.data.sources import JsonlSource, ParquetSource
+    from longmoe.data.validate import check_sample
+    rows = [{"prompt": [1, 2], "response": [3, 4, 5], "advantage": 0.5, "temperature": 0.6},
+            {"prompt": [6], "response": [7], "advantage": -1.0}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check = lambda row, where: check_sample(row, where, 100)  # noqa: E731
+    pq.write_table(pa.table({"prompt": [r["prompt"] for r in rows],
+                             "response": [r["response"] for r in rows],
+                             "advantage": [r["advantage"] for r in rows],
+                             "temperature": [r.get("temperature") for r in rows]}),
+                   tmp_path / "r.parquet")
+    for src in (JsonlSource(path, check), ParquetSource(tmp_path / "r.parquet", check)):
+        assert [s.temperature for s in src.get_many([0, 1])] == [0.6, 1.0]
