@@ -44,11 +44,17 @@ def test_infer_at_temperature_matches_compute_logprobs_and_full_logits(verl_env,
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_train_step_at_temperature_matches_forward_backward(verl_env, fused):
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_train_step_at_temperature_matches_forward_backward(verl_env, fused, per_sequence):
+    """verl's micro-batching reorders sequences by length (dynamic batch size): a per-sequence
+    temperature must follow its sequence, or the first on-policy step's ratio would not be 1."""
     pt, path = reference("tiny", verl_env)
     samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=1)
-    samples = _at(samples, [0.7] * 4)
+    temps = [0.5, 1.0, 1.6, 0.8] if per_sequence else [0.7] * 4
+    samples = _at(samples, temps)
     td, with_old = _train_inputs(pt, td, samples)
+    if per_sequence:
+        td["temperature"] = torch.tensor(temps)
     want = pt.forward_backward(with_old)
     want_step = pt.optim_step()
     w = worker(path, "tiny", max_tokens=24, mini_batch=4, epochs=1, fused=fused)
