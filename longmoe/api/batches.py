@@ -104,13 +104,14 @@ def order_of(call: CallPlan, data_rank: int) -> list[list[int]]:
 
 
 def whole_rows(x_RS: torch.Tensor, row_len: int, layout) -> torch.Tensor:
-    """A per-token [rows, tokens] result of this rank's context-parallel share as whole rows
-    [rows, row_len], in the order of the row (every rank of the CP group gets all of it)."""
+    """A per-token [rows, tokens, ...] result of this rank's context-parallel share as whole
+    rows [rows, row_len, ...], in the order of the row (every rank of the CP group gets all of
+    it)."""
     if layout.cp == 1:
         return x_RS
     parts = [torch.empty_like(x_RS) for _ in range(layout.cp)]
     dist.all_gather(parts, x_RS.contiguous(), group=layout.cp_group)
-    out = x_RS.new_empty((x_RS.shape[0], row_len))
+    out = x_RS.new_empty((x_RS.shape[0], row_len, *x_RS.shape[2:]))
     for r, part in enumerate(parts):
         out[:, zigzag_positions(row_len, layout.cp, r, x_RS.device)] = part
     return out

@@ -67,11 +67,13 @@ def _per_token(name: str, field: str, t, R: int, floating: bool = True) -> None:
 
 
 def check_samples(samples, what: str, vocab_size: int, require: dict[str, str] | None = None,
-                  signal: bool = True, kept: list[int] | None = None) -> None:
+                  signal: bool = True, kept: list[int] | None = None,
+                  routes: tuple[int, int, int] | None = None) -> None:
     """UserError for the first bad sample. `signal`: the training fields (advantage, log-probs,
     loss mask) are checked too; compute_logprobs reads the token ids alone. `require`: log-prob
     fields the objective needs (field -> the setting that needs it). `kept`: per sample, the
-    response tokens data.overlong keeps (log-probs past them are never read)."""
+    response tokens data.overlong keeps (log-probs past them are never read). `routes`: the
+    model's (layers, top_k, experts), for routed_experts (None: a sample with them is refused)."""
     if not isinstance(samples, (list, tuple)):
         raise UserError(f"{what}: samples must be a list of longmoe.data.sample.Sample, got "
                         f"{type(samples).__name__}")
@@ -88,6 +90,8 @@ def check_samples(samples, what: str, vocab_size: int, require: dict[str, str] |
         if R == 0:
             raise UserError(f"{name}: response is empty")
         _check_temperature(name, s.temperature)
+        if s.routed_experts is not None:
+            _check_routes(name, s, routes)
         if signal:
             _check_signal(name, s, R, require or {}, R if kept is None else kept[k])
 
@@ -99,6 +103,40 @@ def _check_temperature(name: str, t) -> None:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
         raise UserError(f"{name}: temperature: {t!r} is not a positive finite number (the "
                         f"rollout's sampling temperature)")
+
+
+def _check_routes(name: str, s: Sample, routes) -> None:
+    """Router replay: integers [P + R, layers, top_k], each an expert id or -1 (router's choice),
+    a token's row either all -1 or k distinct experts."""
+    t = s.routed_experts
+    if routes is None:
+        raise UserError(f"{name}: routed_experts: this call does not take replayed routes")
+    L, K, E = routes
+    want = (len(s), L, K)
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool \
+            or t.is_complex() or tuple(t.shape) != want:
+        raise UserError(f"{name}: routed_experts must be an integer tensor {list(want)} (prompt + "
+                        f"response tokens, layers, top_k), got {getattr(t, 'dtype', type(t).__name__)}"
+                        f" {tuple(getattr(t, 'shape', ()))}")
+    v = t.detach().cpu().long()
+    off = v < 0
+    bad = ((v < -1) | (v >= E)).nonzero()
+    if bad.numel():
+        i, j, k = (int(x) for x in bad[0])
+        raise UserError(f"{name}: routed_experts[{i}, {j}, {k}]: {int(v[i, j, k])} is not an "
+                        f"expert id in [0, {E}) or -1")
+    mixed = (off.any(-1) & ~off.all(-1)).nonzero()
+    if mixed.numel():
+        i, j = (int(x) for x in mixed[0])
+        raise UserError(f"{name}: routed_experts[{i}, {j}]: a token's experts are all ids or all "
+                        f"-1, got {v[i, j].tolist()}")
+    if K > 1:
+        srt = v.sort(-1).values
+        dup = ((srt[..., 1:] == srt[..., :-1]) & ~off[..., 1:]).any(-1).nonzero()
+        if dup.numel():
+            i, j = (int(x) for x in dup[0])
+            raise UserError(f"{name}: routed_experts[{i}, {j}]: {v[i, j].tolist()} repeats an "
+                            f"expert (top_k distinct experts per token)")
 
 
 def _check_mask(name: str, s: Sample, R: int) -> None:
@@ -191,6 +229,7 @@ def sample_digests(samples, signal: bool = True) -> list[int]:
             _tensor_bytes(h, "p", s.prompt)
             _tensor_bytes(h, "r", s.response)
             _tensor_bytes(h, "t", float(s.temperature))
+            _tensor_bytes(h, "x", s.routed_experts)
             if signal:
                 _tensor_bytes(h, "a", s.advantage)
                 for f in (*LOGPROB_FIELDS, "loss_mask"):

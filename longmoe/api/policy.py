@@ -185,7 +185,9 @@ class PolicyTrainer:
     def _plan(self, samples, what: str, signal: bool):
         """The call's plan, from the samples as trained: 0/1 masks as bool; compute_logprobs
         (not `signal`) reads no training field, the mask included."""
-        check_samples(samples, what, self.run.model.vocab_size, signal=False)
+        m = self.run.model
+        check_samples(samples, what, m.vocab_size, signal=False,
+                      routes=(m.num_layers, m.top_k, m.num_experts))
         if signal:
             check_masks(samples, what)
         fix = with_bool_mask if signal else labelled
@@ -207,7 +209,9 @@ class PolicyTrainer:
             plan = self._plan(samples, what, signal)
             if signal:
                 kept = [max(n - s.prompt_len, 0) for s, n in zip(samples, plan.plan.lengths)]
-                check_samples(samples, what, V, need, signal=True, kept=kept)
+                m = self.run.model
+                check_samples(samples, what, V, need, signal=True, kept=kept,
+                              routes=(m.num_layers, m.top_k, m.num_experts))
             for check in after:
                 check(plan.tokens, plan.samples)
         except UserError as e:
@@ -378,7 +382,8 @@ class PolicyTrainer:
             # token ids were range-checked on the host (_checked): no device read per micro-batch
             lp, ent = forward_logprobs(self.model, batch.input_ids, batch.labels, positions,
                                        packing, with_entropy, check_values=False,
-                                       temperature=batch.temperature)
+                                       temperature=batch.temperature,
+                                       routes=batch.routed_experts)
             got = [whole_rows(lp, mb.row_len, self.layout)]
             if with_entropy:
                 got.append(whole_rows(ent, mb.row_len, self.layout))

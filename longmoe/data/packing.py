@@ -17,7 +17,9 @@ With `label_tail` a row's last sample may hold one token more than the row has p
 token is never an input, only the label of the row's last position (full rows of seq_len train
 a sample of seq_len + 1 tokens).
 
-`temperature` (None when every sample's is 1) gives every position its sample's rollout
+`routed_experts` (None when no sample has any) gives every position its sample's replayed
+experts per MoE layer, [R, S, layers, top_k] int16, -1 where the router decides (padding, and
+samples without routes). `temperature` (None when every sample's is 1) gives every position its sample's rollout
 temperature (1 on padding): the LM head divides that position's logits by it.
 
 `sample_tokens` gives every token its whole sample's trained-token count (0 on padding), for the
@@ -61,10 +63,11 @@ class PackedBatch:
     sample_index: tuple[tuple[int, ...], ...]   # per row, its samples' source indices
     packed: bool = True             # rows of samples end to end (else one sample a row)
     temperature: torch.Tensor | None = None     # [R, S] float32; None: every sample's is 1
+    routed_experts: torch.Tensor | None = None  # [R, S, layers, top_k] int16; -1: not replayed
 
     TOKEN_FIELDS = ("input_ids", "labels", "advantages", "old_logprobs", "ref_logprobs",
                     "rollout_logprobs", "sample_ids", "positions", "sample_tokens",
-                    "temperature")
+                    "temperature", "routed_experts")
 
     def map_tokens(self, fn) -> "PackedBatch":
         """The same batch with `fn` applied to every per-token tensor (the absent ones stay
@@ -145,6 +148,11 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
     # decided on the host: at temperature 1 everywhere the head does no per-token division
     temp = (torch.ones(n, S) if any(float(s.temperature) != 1.0 for row in rows for s in row)
             else None)
+    shapes = {tuple(s.routed_experts.shape[1:]) for row in rows for s in row
+              if s.routed_experts is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"samples' routed_experts differ in [layers, top_k]: {sorted(shapes)}")
+    routes = torch.full((n, S, *shapes.pop()), -1, dtype=torch.int16) if shapes else None
     k = 0
     placed = []
     for r, row in enumerate(rows):
@@ -158,6 +166,8 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
             pos[r, o:o + n] = torch.arange(n)
             if temp is not None:
                 temp[r, o:o + n] = float(s.temperature)
+            if s.routed_experts is not None:
+                routes[r, o:o + n] = s.routed_experts[:n]
             placed[-1].append(n)
             # The response tokens from `first` on are the labels of one contiguous run of
             # positions; writing them as slices, not through index tensors, matters: an indexed
@@ -178,7 +188,7 @@ def pack_rows(rows: Sequence[Sequence[Sample]], seq_len: int | None = None,
                        logps["rollout_logprobs"], sid, pos, _sample_tokens(labels, sid, k),
                        row_lengths=tuple(map(tuple, placed)),
                        sample_index=tuple(tuple(s.index for s in row) for row in rows),
-                       packed=packed, temperature=temp)
+                       packed=packed, temperature=temp, routed_experts=routes)
 
 
 def _sample_tokens(labels: torch.Tensor, sample_ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -17,6 +17,11 @@ Field names are those of a JSONL object or Parquet row:
   temperature                 the rollout's sampling temperature (optional, > 0; missing means 1):
                               log-probs are those of softmax(logits / temperature), as the
                               rollout engine sampled from
+
+`routed_experts` (API and verl only; not a file field): per token of prompt + response, for each
+MoE layer, the top-k experts the rollout engine routed it to, [P + R, layers, top_k] integers,
+-1 where the trainer's router decides (router replay: the trainer's forward uses these experts,
+weighted by its own router's probabilities for them).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Sample:
     rollout_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None       # [R] bool (the API also takes 0/1 numbers)
     temperature: float = 1.0                    # the rollout's sampling temperature, > 0
+    routed_experts: torch.Tensor | None = None  # [P + R, layers, top_k] int, -1: not replayed
     index: int = 0
     where: str = ""
 
@@ -79,6 +85,8 @@ class Sample:
         cut = {k: getattr(self, k)[:n] for k in (*LOGPROB_FIELDS, "loss_mask")
                if getattr(self, k) is not None}
         adv = self.advantage[:n] if isinstance(self.advantage, torch.Tensor) else self.advantage
+        if self.routed_experts is not None:
+            cut["routed_experts"] = self.routed_experts[:length]
         return replace(self, response=self.response[:n], advantage=adv, **cut)
 
 

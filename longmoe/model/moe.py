@@ -28,11 +28,21 @@ class Router(nn.Module):
         # Global tokens per expert in the last forward, read by update_expert_bias().
         self.register_buffer("last_load", torch.zeros(cfg.num_experts), persistent=False)
         self.matmul = "auto"  # the logits' GEMMs (ops/router_matmul.py; impl.router_matmul)
+        # A list while the model records its routes (record_routes): each forward appends its
+        # [T, K] expert ids.
+        self.recorded: list | None = None
 
-    def forward(self, x_TH):
+    def forward(self, x_TH, replay_TK=None):
+        """(expert ids [T, K], their combine weights [T, K], probabilities [T, E]). `replay_TK`
+        (router replay): a token's experts where its row is >= 0 (the rollout engine's choice),
+        weighted by this router's probabilities for them; -1 rows choose by top-k as usual."""
         probs_TE = torch.softmax(router_logits(x_TH, self.weight, self.matmul), dim=-1)
         scores = probs_TE + self.expert_bias if self.cfg.expert_bias_rate > 0 else probs_TE
         idx_TK = torch.topk(scores, self.cfg.top_k, dim=-1).indices
+        if replay_TK is not None:
+            idx_TK = torch.where(replay_TK >= 0, replay_TK.to(idx_TK.dtype), idx_TK)
+        if self.recorded is not None:
+            self.recorded.append(idx_TK.detach())
         w_TK = probs_TE.gather(1, idx_TK)
         if self.cfg.norm_topk_prob:
             w_TK = w_TK / w_TK.sum(-1, keepdim=True)
@@ -93,9 +103,11 @@ class MoE(nn.Module):
         self.dispatcher = ExpertDispatcher(cfg.num_experts)
         self.batch_group = None  # ranks whose tokens form the global batch (for the aux loss)
 
-    def forward(self, x_BSH):
+    def forward(self, x_BSH, routes_BSK=None):
+        """(output, balance loss). `routes_BSK`: replayed experts per token (Router.forward)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        idx_TK, w_TK, probs_TE = self.router(x_TH)
+        replay = None if routes_BSK is None else routes_BSK.reshape(x_TH.shape[0], -1)
+        idx_TK, w_TK, probs_TE = self.router(x_TH, replay)
         aux = self._balance_loss(idx_TK, probs_TE)
         # The shared expert runs under the routed experts' last combine (see moe_pipeline.py).
         fill = (lambda: self.shared(x_TH)) if self.shared is not None else None

@@ -6,6 +6,7 @@ Legend: B batch, S sequence, H hidden, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import TYPE_CHECKING
 
@@ -35,16 +36,18 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.moe = MoE(cfg, ep_rank, ep_size)
 
-    def forward(self, x_BSH, cos, sin, packing=None):
+    def forward(self, x_BSH, cos, sin, packing=None, routes_BSK=None):
+        """`routes_BSK`: the MoE's replayed experts per token (router replay), or None."""
         x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos, sin, packing)
-        y_BSH, aux = self.moe(self.moe_norm(x_BSH))
+        y_BSH, aux = self.moe(self.moe_norm(x_BSH), routes_BSK)
         return x_BSH + y_BSH, aux
 
     @property
     def has_attention_kernel(self) -> bool:
         return isinstance(self.attn, Attention)
 
-    def forward_around_attention(self, x_BSH, cos, sin, packing=None, *, recompute):
+    def forward_around_attention(self, x_BSH, cos, sin, packing=None, routes_BSK=None, *,
+                                 recompute):
         """forward with the attention kernel outside the recomputed regions (full attention
         layers only): `recompute(fn, *args)` runs what comes before the kernel (norm,
         projections, q/k norms, RoPE) and what comes after it (gate, output projection, MoE)
@@ -53,14 +56,14 @@ class Block(nn.Module):
         forward again. Same values as forward."""
         q, k, v, gate = recompute(self._before_attention, x_BSH, cos, sin)
         o_BSND = self.attn.core(q, k, v, packing)
-        return recompute(self._after_attention, x_BSH, o_BSND, gate)
+        return recompute(self._after_attention, x_BSH, o_BSND, gate, routes_BSK)
 
     def _before_attention(self, x_BSH, cos, sin):
         return self.attn.project(self.attn_norm(x_BSH), cos, sin)
 
-    def _after_attention(self, x_BSH, o_BSND, gate_BSND):
+    def _after_attention(self, x_BSH, o_BSND, gate_BSND, routes_BSK=None):
         x_BSH = x_BSH + self.attn.output(o_BSND, gate_BSND)
-        y_BSH, aux = self.moe(self.moe_norm(x_BSH))
+        y_BSH, aux = self.moe(self.moe_norm(x_BSH), routes_BSK)
         return x_BSH + y_BSH, aux
 
 
@@ -111,22 +114,47 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    @contextlib.contextmanager
+    def record_routes(self):
+        """Within it, every forward-only pass records the experts each token was routed to;
+        yields `take(rows, tokens)`, which returns the last pass's as [rows, tokens, layers,
+        top_k] int64 (what routes_BSLK replays) and forgets them. Forward only: a recomputed
+        block (training) would record twice."""
+        routers = [m.router for m in self.moe_layers()]
+
+        def take(rows: int, tokens: int):
+            if any(len(r.recorded) != 1 for r in routers):
+                raise RuntimeError("record_routes: take() expects exactly one forward since the "
+                                   "last take")
+            got = torch.stack([r.recorded.pop().view(rows, tokens, -1) for r in routers], 2)
+            return got
+
+        for r in routers:
+            r.recorded = []
+        try:
+            yield take
+        finally:
+            for r in routers:
+                r.recorded = None
+
     def forward(self, input_ids_BS, labels_BS, positions_S=None, with_entropy: bool = False,
                 policy: FusedLoss | None = None, packing: PackedRows | None = None,
-                temperature_BS=None):
+                temperature_BS=None, routes_BSLK=None):
         """Returns (logprobs [B, S] fp32, entropy [B, S] or None, aux_loss scalar, policy loss or
         None); see LMHead.forward for `policy`. `packing`: the rows' samples (PackedRows, on
         this device; under context parallelism this rank's share, local_packing); its
         positions drive RoPE, so `positions_S` must then be None. Without it every row is one
         sample at positions `positions_S` (default 0..S-1). `temperature_BS`: the rollout's
-        sampling temperature per position (LMHead.forward)."""
-        x_BSH, aux = self.hidden_states(input_ids_BS, positions_S, packing)
+        sampling temperature per position (LMHead.forward). `routes_BSLK`: router replay, per
+        position and layer the experts to use (-1: the router decides), or None."""
+        x_BSH, aux = self.hidden_states(input_ids_BS, positions_S, packing, routes_BSLK)
         logprobs, entropy, loss = self.head(x_BSH, labels_BS, with_entropy, policy,
                                             temperature_BS)
         return logprobs, entropy, aux, loss
 
-    def hidden_states(self, input_ids_BS, positions_S=None, packing: PackedRows | None = None):
-        """(last block's output [B, S, H], summed balance loss)."""
+    def hidden_states(self, input_ids_BS, positions_S=None, packing: PackedRows | None = None,
+                      routes_BSLK=None):
+        """(last block's output [B, S, H], summed balance loss). `routes_BSLK`: see forward."""
         S = input_ids_BS.shape[1]
         if packing is not None:
             if positions_S is not None:
@@ -140,8 +168,16 @@ class MoETransformer(nn.Module):
         x_BSH = self.embed(input_ids_BS)
         cos, sin = rope_cos_sin(positions_S, self.cfg.rotary_dim, self.cfg.rope_theta, x_BSH.dtype)
         aux = x_BSH.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            x_BSH, layer_aux = layer(x_BSH, cos, sin, packing)
+        if routes_BSLK is not None and tuple(routes_BSLK.shape[:3]) != (
+                *input_ids_BS.shape, len(self.layers)):
+            raise ValueError(f"routes {tuple(routes_BSLK.shape)} must be [rows, tokens, layers, "
+                             f"top_k] for input ids {tuple(input_ids_BS.shape)} and "
+                             f"{len(self.layers)} layers")
+        for i, layer in enumerate(self.layers):
+            if routes_BSLK is None:
+                x_BSH, layer_aux = layer(x_BSH, cos, sin, packing)
+            else:
+                x_BSH, layer_aux = layer(x_BSH, cos, sin, packing, routes_BSLK[:, :, i])
             aux = aux + layer_aux
         return x_BSH, aux
 

@@ -13,7 +13,8 @@ import torch
 from longmoe.errors import UserError
 
 
-def _check(model, input_ids, labels, positions, packing, values: bool = True, temperature=None):
+def _check(model, input_ids, labels, positions, packing, values: bool = True, temperature=None,
+           routes=None):
     """Host-side checks, before the first collective, so a bad batch stops every rank cleanly
     instead of leaving its peers waiting in an all-gather. `values`: the token ids' ranges too
     (on a device tensor each read waits for the device's queue)."""
@@ -45,6 +46,18 @@ def _check(model, input_ids, labels, positions, packing, values: bool = True, te
         if values and not bool(((temperature > 0) & torch.isfinite(temperature)).all()):
             raise UserError("compute_logprobs: temperature holds a value that is not a positive "
                             "finite number")
+    if routes is not None:
+        cfg = model.cfg
+        want = (*input_ids.shape, cfg.num_layers, cfg.top_k)
+        if not isinstance(routes, torch.Tensor) or tuple(routes.shape) != want \
+                or routes.dtype.is_floating_point or routes.dtype == torch.bool:
+            raise UserError(f"compute_logprobs: routes must be an integer tensor {list(want)} "
+                            f"(rows, tokens, layers, top_k), got "
+                            f"{getattr(routes, 'dtype', type(routes).__name__)} "
+                            f"{tuple(getattr(routes, 'shape', ()))}")
+        if values and not bool(((routes >= -1) & (routes < cfg.num_experts)).all()):
+            raise UserError(f"compute_logprobs: routes holds a value that is not an expert id in "
+                            f"[0, {cfg.num_experts}) or -1")
     if packing is not None and positions is not None:
         raise UserError("compute_logprobs: packed rows carry their own positions: pass "
                         "positions=None with packing")
@@ -64,7 +77,8 @@ def _check_ranges(input_ids, labels, V: int) -> None:
 
 
 def compute_logprobs(model, input_ids, labels, positions=None, packing=None,
-                     with_entropy: bool = False, check_values: bool = True, temperature=None):
+                     with_entropy: bool = False, check_values: bool = True, temperature=None,
+                     routes=None):
     """(log p(labels) [rows, tokens] fp32, entropy of the full softmax [rows, tokens] fp32 or
     None), no gradient. Tokens whose label is -100 get 0 in both. `model`: the (FSDP2-sharded,
     expert-parallel) MoETransformer; `positions` [tokens] (default 0..tokens-1) or `packing`
@@ -72,14 +86,16 @@ def compute_logprobs(model, input_ids, labels, positions=None, packing=None,
     token-id range checks, for callers that made the same checks on the host before the
     copy (PolicyTrainer: longmoe.api.checks), so micro-batches queue without a host wait.
     `temperature` [rows, tokens] (> 0, None: 1): per position, the rollout's sampling
-    temperature; the values are those of softmax(logits / temperature)."""
+    temperature; the values are those of softmax(logits / temperature). `routes` [rows,
+    tokens, layers, top_k] (router replay): the experts each position uses per layer, -1 where
+    the router decides."""
     inner = getattr(model, "cfg", None)
     if inner is None:
         raise UserError("compute_logprobs: model must be a longmoe MoETransformer")
-    _check(model, input_ids, labels, positions, packing, check_values, temperature)
+    _check(model, input_ids, labels, positions, packing, check_values, temperature, routes)
     # no_grad rather than inference_mode: FSDP2 keeps the head's unsharded weight across calls,
     # and a tensor made under inference mode could not be saved by the next training forward.
     with torch.no_grad():
         lp, ent, _, _ = model(input_ids, labels, positions, with_entropy=with_entropy,
-                              packing=packing, temperature_BS=temperature)
+                              packing=packing, temperature_BS=temperature, routes_BSLK=routes)
     return lp.float(), (ent.float() if ent is not None else None)

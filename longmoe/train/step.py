@@ -89,12 +89,14 @@ def forward_backward(model, batch: PackedBatch, run: RunConfig, layout: Layout, 
     if run.loss.type == "grpo" and run.impl.policy_loss != "unfused":
         fused = FusedLoss(objective, inputs, run.impl.policy_loss)
         logprobs, entropy, aux, loss = model(batch.input_ids, batch.labels, positions, policy=fused,
-                                             packing=packing, temperature_BS=batch.temperature)
+                                             packing=packing, temperature_BS=batch.temperature,
+                                             routes_BSLK=batch.routed_experts)
         stats = objective.stats(logprobs, entropy, inputs, mask)
     else:
         logprobs, entropy, aux, _ = model(batch.input_ids, batch.labels, positions,
                                           with_entropy=True, packing=packing,
-                                          temperature_BS=batch.temperature)
+                                          temperature_BS=batch.temperature,
+                                          routes_BSLK=batch.routed_experts)
         loss, stats = policy_loss(run.loss, logprobs, entropy, batch.labels, inputs)
     ((loss + aux * aux_scale) * loss_scale(layout)).backward()
     if finish:
