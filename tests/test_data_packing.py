@@ -207,10 +207,11 @@ def test_batch_to_device_is_the_same_batch():
     g = torch.Generator().manual_seed(3)
     samples = [Sample(prompt=torch.randint(0, 50, (p,), generator=g),
                       response=torch.randint(0, 50, (r,), generator=g), advantage=0.5,
-                      temperature=t)
+                      temperature=t, routed_experts=torch.zeros(p + r, 2, 2, dtype=torch.long)
+                      if p == 4 else None)
                for p, r, t in ((3, 5, 1.0), (0, 7, 0.7), (4, 2, 1.0))]
     pb = pack_rows([samples], pad_multiple=8)
-    assert pb.temperature is not None
+    assert pb.temperature is not None and pb.routed_experts is not None
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
         moved = pb.to(dev)
