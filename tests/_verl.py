@@ -153,17 +153,20 @@ def reference(preset, tmp, lr=1e-2):
 
 
 def worker(path, preset, max_tokens=64, lr=1e-2, mini_batch=4, epochs=1, extra=(), fused=True,
-           optim=None):
+           optim=None, replay="disabled"):
     """verl's TrainingWorker over the longmoe engine, as ActorRolloutRefWorker.init_model
     builds its actor, with verl's ppo_loss as the loss; `extra`: more longmoe overrides;
-    `optim`: verl's optimizer config (default: AdamW at `lr`, constant)."""
+    `optim`: verl's optimizer config (default: AdamW at `lr`, constant); `replay`: verl's
+    router_replay.mode."""
+    from verl.workers.config import EngineRouterReplayConfig
     actor = LongMoEActorConfig(
         strategy="longmoe", rollout_n=1, ppo_mini_batch_size=mini_batch, use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=max_tokens, ppo_epochs=epochs, clip_ratio=0.2,
         loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
         optim=optim or OptimizerConfig(lr=lr, weight_decay=0.01, betas=(0.9, 0.95), clip_grad=1.0),
         longmoe=LongMoEEngineConfig(strategy="longmoe", overrides=overrides(preset) + list(extra),
-                                    dtype="float32", fused_ppo_loss=fused))
+                                    dtype="float32", fused_ppo_loss=fused,
+                                    router_replay=EngineRouterReplayConfig(mode=replay)))
     model = HFModelConfig(path=str(path), load_tokenizer=False)
     cfg = TrainingWorkerConfig(model_type="language_model", model_config=model,
                                engine_config=actor.engine, optimizer_config=actor.optim,

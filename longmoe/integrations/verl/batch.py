@@ -62,11 +62,12 @@ def check_sequences(data, vocab_size: int) -> None:
                         "boundaries)")
 
 
-def infer_fields(data):
-    """What inference reads of a batch: its tokens, verl's settings (non-tensor entries) and a
-    per-sequence temperature."""
+def infer_fields(data, routes: bool = False):
+    """What inference reads of a batch: its tokens, verl's settings (non-tensor entries), a
+    per-sequence temperature and, when replayed (`routes`), the routed experts."""
+    extra = ("temperature", "routed_experts") if routes else ("temperature",)
     keep = ["input_ids"] + [k for k in data.keys() if not isinstance(data[k], torch.Tensor)
-                            or k == "temperature"]
+                            or k in extra]
     return data.select(*keep)
 
 
@@ -77,14 +78,43 @@ def sequences(micro_batch) -> tuple[torch.Tensor, list[int]]:
     return ids.values().detach().cpu().long(), ids.offsets().tolist()
 
 
-def to_samples(values: torch.Tensor, offsets: list[int],
-               temps: list[float] | None = None) -> list[Sample]:
+def to_samples(values: torch.Tensor, offsets: list[int], temps: list[float] | None = None,
+               routes: torch.Tensor | None = None) -> list[Sample]:
     """One sample per sequence, every next token labelled (see the module docstring), at its
-    rollout temperature (`temps`, from temperatures(); None: 1)."""
+    rollout temperature (`temps`, from temperatures(); None: 1), replaying `routes` (the
+    micro-batch's routed_experts values [total, layers, top_k], or None)."""
     return [Sample(values[a:a + 1], values[a + 1:b], advantage=0.0, index=i,
                    temperature=1.0 if temps is None else temps[i],
+                   routed_experts=None if routes is None else routes[a:b],
                    where=f"micro-batch sequence {i}")
             for i, (a, b) in enumerate(zip(offsets, offsets[1:]))]
+
+
+def routed_values(micro_batch) -> torch.Tensor | None:
+    """The micro-batch's routed_experts (verl's jagged [bsz, j, layers, top_k]) as host values
+    [total, layers, top_k], or None where the batch has none."""
+    if "routed_experts" not in micro_batch.keys():
+        return None
+    r = micro_batch["routed_experts"]
+    return (r.values() if getattr(r, "is_nested", False) else r).detach().cpu()
+
+
+def check_routes(data, layers: int, top_k: int, experts: int) -> None:
+    """Once per batch, on the host: routed_experts holds, per token of input_ids, `layers` rows
+    of `top_k` expert ids in [0, experts) (or -1, the router's choice)."""
+    if "routed_experts" not in data.keys():
+        raise UserError("longmoe engine: router_replay needs routed_experts in the batch (R3: "
+                        "rollout.enable_rollout_routing_replay=true; R2: the actor's "
+                        "compute_log_prob output)")
+    v, total = routed_values(data), int(data["input_ids"].offsets()[-1])
+    if v.dtype.is_floating_point or tuple(v.shape) != (total, layers, top_k):
+        raise UserError(f"longmoe engine: routed_experts must be integers [{total}, {layers}, "
+                        f"{top_k}] (tokens, MoE layers, top_k); got {v.dtype} {tuple(v.shape)}")
+    bad = ((v < -1) | (v >= experts)).nonzero()
+    if bad.numel():
+        t, j, k = (int(x) for x in bad[0])
+        raise UserError(f"longmoe engine: routed_experts[{t}, {j}, {k}] = {int(v[t, j, k])} is "
+                        f"not an expert id in [0, {experts})")
 
 
 def temperatures(micro_batch) -> list[float] | None:

@@ -24,6 +24,7 @@ log-probs are gathered into whole rows (forward only) and training takes the fus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -41,8 +42,9 @@ from longmoe.api import PolicyTrainer
 from longmoe.api.batches import whole_rows
 from longmoe.data.packing import pack_rows
 from longmoe.errors import ConfigError, UserError
-from longmoe.integrations.verl.batch import (check_sequences, infer_fields, sequences,
-                                             temperatures, to_nested, to_samples)
+from longmoe.integrations.verl.batch import (check_routes, check_sequences, infer_fields,
+                                             routed_values, sequences, temperatures, to_nested,
+                                             to_samples)
 from longmoe.integrations.verl.config import run_config
 from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
@@ -96,6 +98,13 @@ class LongMoEEngine(BaseEngine):
                                              "ppo_loss only; set longmoe.fused_ppo_loss=true")
         self._dp_group = None
         self._saved = SavedPaths()  # where save_checkpoint wrote, for max_ckpt_to_keep
+        # MoE router replay (verl's router_replay.mode): R2 records the experts of the actor's
+        # log-prob pass and replays them in its update; R3 replays the rollout engine's in both.
+        # A reference policy (forward_only) always routes by itself, as in verl.
+        rr = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+        if rr not in ("disabled", "R2", "R3"):
+            raise ConfigError("router_replay.mode", f"must be disabled, R2 or R3; got {rr!r}")
+        self.replay_mode = "disabled" if getattr(engine_config, "forward_only", False) else rr
 
     # ---- setup and modes -----------------------------------------------------------------------
 
@@ -203,9 +212,13 @@ class LongMoEEngine(BaseEngine):
         temperatures(data)  # once per batch, on the host: refused before any micro-batch runs
         if fused is None:
             check_sequences(data, pt.run.model.vocab_size)
+        replay, record = self._routing(data, forward_only)
+        if replay:
+            m = pt.run.model
+            check_routes(data, m.num_layers, m.top_k, m.num_experts)
         # verl copies every field of the batch into its micro-batches; inference reads only
         # the tokens (and verl's settings), so the other fields are not copied
-        split = infer_fields(data) if infer else data
+        split = infer_fields(data, routes=replay) if infer else data
         # verl agrees the micro-batch count across data ranks with device collectives and
         # reads them back (.item()); with one data rank there is nothing to agree
         micro, indices = prepare_micro_batches(data=split, dp_group=group if dp_size > 1 else None,
@@ -215,18 +228,29 @@ class LongMoEEngine(BaseEngine):
         sync = (not forward_only and isinstance(model, FSDPModule) and len(micro) > 1
                 and layout.world > 1 and pt.run.parallel.grad_sync == "step")
         if infer:
-            outputs = self._infer(micro)
+            outputs = self._infer(micro, replay, record)
         else:
             outputs = self._micro_steps(micro, loss_function, forward_only, group, fused,
-                                        tokens, dp_size, sync, keep_outputs)
+                                        tokens, dp_size, sync, keep_outputs, replay, record)
         if forward_only:
             for m in model.modules():  # as PolicyTrainer.compute_logprobs: see there
                 if isinstance(m, FSDPModule):
                     m.reshard()
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
+    def _routing(self, data, forward_only: bool) -> tuple[bool, bool]:
+        """(replay the batch's routed_experts, record this pass's) for this call. verl marks
+        the actor's calls with enable_routing_replay for the engines it knows; a False there
+        (a reference pass) turns both off here too."""
+        if self.replay_mode == "disabled" or not tu.get_non_tensor_data(
+                data, "enable_routing_replay", True):
+            return False, False
+        if self.replay_mode == "R3":
+            return True, False
+        return not forward_only, forward_only  # R2
+
     def _micro_steps(self, micro, loss_function, forward_only, group, fused, tokens, dp_size,
-                     sync, keep_outputs):
+                     sync, keep_outputs, replay=False, record=False):
         """Every micro-batch with verl's loss (or the fused one); records the pass for
         optim_step when training."""
         pt, layout, model, M = self.trainer, self.trainer.layout, self.trainer.model, len(micro)
@@ -238,13 +262,14 @@ class LongMoEEngine(BaseEngine):
                 if sync:
                     model.set_requires_gradient_sync(j == M - 1)
                 if fused is not None:  # verl's ppo_loss inside our LM head (fused.py)
-                    loss, aux, out = fused_micro_step(pt, mb, fused, tokens, dp_size, M)
+                    loss, aux, out = fused_micro_step(pt, mb, fused, tokens, dp_size, M, replay)
                     loss = loss * dp_size  # as verl's loss below: it carries dp_size
                 elif forward_only:
                     with torch.no_grad():
-                        loss, aux, out = self._micro_step(mb, loss_function, True, group)
+                        loss, aux, out = self._micro_step(mb, loss_function, True, group,
+                                                          replay, record)
                 else:
-                    loss, aux, out = self._micro_step(mb, loss_function, False, group)
+                    loss, aux, out = self._micro_step(mb, loss_function, False, group, replay)
                     # verl's loss carries dp_size (gradients are averaged over data ranks);
                     # longmoe's scale is the world size (averaged over every rank).
                     scale = loss_scale(layout)
@@ -264,27 +289,35 @@ class LongMoEEngine(BaseEngine):
             self._note_call(total, loads, tokens)
         return outputs
 
-    def _forward(self, mb: TensorDict, entropy: bool):
+    def _forward(self, mb: TensorDict, entropy: bool, replay: bool = False,
+                 record: bool = False):
         """(per-token log-probs [1, row], entropies or None, aux loss, the micro-batch's
-        sequence offsets) of one micro-batch, packed on the host and copied to the device
-        without blocking (PackedBatch.to)."""
+        sequence offsets, the recorded experts [1, row, layers, top_k] or None) of one
+        micro-batch, packed on the host and copied to the device without blocking
+        (PackedBatch.to). `replay`: the micro-batch's routed_experts; `record`: this
+        forward's routing (forward only)."""
         pt = self.trainer
         values, offsets = sequences(mb)
-        pb = pack_rows([to_samples(values, offsets, temperatures(mb))],
-                       pad_multiple=pad_multiple(pt.run), min_len=min_row(pt.run))
+        samples = to_samples(values, offsets, temperatures(mb),
+                             routed_values(mb) if replay else None)
+        pb = pack_rows([samples], pad_multiple=pad_multiple(pt.run), min_len=min_row(pt.run))
         batch, positions, packing = local_micro_batch(pb, pt.layout, pt.device)
         row = int(pb.input_ids.shape[1])
         if pt.layout.cp > 1:
             set_cp_row_length(pt.model, pt.layout, row)
-        lp, ent, aux, _ = pt.model(batch.input_ids, batch.labels, positions,
-                                   with_entropy=entropy, packing=packing,
-                                   temperature_BS=batch.temperature)
+        with pt.model.record_routes() if record else contextlib.nullcontext() as take:
+            lp, ent, aux, _ = pt.model(batch.input_ids, batch.labels, positions,
+                                       with_entropy=entropy, packing=packing,
+                                       temperature_BS=batch.temperature,
+                                       routes_BSLK=batch.routed_experts)
+            routes = take(*batch.input_ids.shape).to(torch.int16) if record else None
         if pt.layout.cp > 1:  # forward only (see forward_backward_batch): whole rows back
             lp = whole_rows(lp, row, pt.layout)
             ent = whole_rows(ent, row, pt.layout) if entropy else None
-        return lp, ent, aux, offsets
+            routes = whole_rows(routes, row, pt.layout) if record else None
+        return lp, ent, aux, offsets, routes
 
-    def _infer(self, micro) -> list[dict]:
+    def _infer(self, micro, replay: bool = False, record: bool = False) -> list[dict]:
         """Inference (verl's compute_log_prob): every micro-batch's forward is queued without
         a host synchronisation between them, and the results of the whole batch come to the
         host in one copy, so verl's reordering and collection (postprocess_batch_func, the
@@ -293,8 +326,9 @@ class LongMoEEngine(BaseEngine):
         with torch.no_grad():
             for mb in micro:
                 entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
-                lp, ent, _, offsets = self._forward(mb, entropy)
-                rows.append([lp[0, :offsets[-1]]] + ([ent[0, :offsets[-1]]] if entropy else []))
+                lp, ent, _, offsets, routes = self._forward(mb, entropy, replay, record)
+                rows.append([lp[0, :offsets[-1]]] + ([ent[0, :offsets[-1]]] if entropy else [])
+                            + ([routes[0, :offsets[-1]]] if record else []))
                 offs.append(offsets)
         parts = [r for rs in rows for r in rs]
         if not parts:
@@ -308,18 +342,23 @@ class LongMoEEngine(BaseEngine):
             got = host[k:k + len(rs)]
             k += len(rs)
             model_output = {"log_probs": to_nested(got[0], offsets)}
-            if len(got) > 1:
+            if entropy:
                 model_output["entropy"] = to_nested(got[1], offsets)
+            if record:
+                model_output["routed_experts"] = to_nested(got[-1], offsets)
             outputs.append({"model_output": model_output, "loss": 0.0, "metrics": {}})
         return outputs
 
-    def _micro_step(self, mb: TensorDict, loss_function, forward_only: bool, group):
+    def _micro_step(self, mb: TensorDict, loss_function, forward_only: bool, group,
+                    replay: bool = False, record: bool = False):
         pt = self.trainer
         entropy = bool(tu.get_non_tensor_data(mb, "calculate_entropy", False))
-        lp, ent, aux, offsets = self._forward(mb, entropy)
+        lp, ent, aux, offsets, routes = self._forward(mb, entropy, replay, record)
         model_output = {"log_probs": to_nested(lp[0], offsets)}
         if entropy:
             model_output["entropy"] = to_nested(ent[0], offsets)
+        if record:
+            model_output["routed_experts"] = to_nested(routes[0].cpu(), offsets)
         if loss_function is None:
             raise UserError("longmoe engine: a training pass needs a loss_function")
         mb_dev = mb.to(pt.device) if pt.device.type != "cpu" else mb

@@ -27,7 +27,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
 from longmoe.data.packing import pack_rows
-from longmoe.integrations.verl.batch import temperatures
+from longmoe.integrations.verl.batch import routed_values, temperatures
 from longmoe.data.sample import Sample
 from longmoe.train.feed import min_row, pad_multiple
 from longmoe.train.setup import set_cp_row_length
@@ -61,9 +61,10 @@ def fused_run(loss_function, run, data):
     return replace(run, loss=loss)
 
 
-def micro_samples(mb) -> list[Sample]:
+def micro_samples(mb, replay: bool = False) -> list[Sample]:
     """verl's padded per-sample fields of a micro-batch as longmoe samples: prompt and response
-    split where the attention mask says, the response mask as the loss mask."""
+    split where the attention mask says, the response mask as the loss mask; `replay`: with the
+    micro-batch's routed_experts."""
     ids = mb["input_ids"]
     offsets = ids.offsets().tolist()
     values = ids.values().detach().cpu().long()
@@ -73,20 +74,23 @@ def micro_samples(mb) -> list[Sample]:
     adv, old = mb["advantages"].float().cpu(), mb["old_log_probs"].float().cpu()
     mask = mb["response_mask"].cpu().bool()
     temps = temperatures(mb)
+    routes = routed_values(mb) if replay else None
     out = []
     for i, (a, p, r) in enumerate(zip(offsets, plen, rlen)):
         out.append(Sample(values[a:a + p], values[a + p:a + p + r], advantage=adv[i, :r].clone(),
                           old_logprobs=old[i, :r].clone(), loss_mask=mask[i, :r].clone(),
                           temperature=1.0 if temps is None else temps[i],
+                          routed_experts=None if routes is None else routes[a:a + p + r],
                           index=i, where=f"micro-batch sample {i}"))
     return out
 
 
-def fused_micro_step(pt, mb, run, global_tokens: int, dp_size: int, micro_batches: int):
+def fused_micro_step(pt, mb, run, global_tokens: int, dp_size: int, micro_batches: int,
+                     replay: bool = False):
     """Forward and backward of one micro-batch through the fused head (gradients added), and
     verl's ppo_loss metrics for it. Returns (loss, aux, output entry) like the engine's
     unfused micro-step, the backward already done."""
-    samples = micro_samples(mb)
+    samples = micro_samples(mb, replay)
     pb = pack_rows([samples], pad_multiple=pad_multiple(run), min_len=min_row(run))
     layout = pt.layout
     batch, positions, packing = local_micro_batch(pb, layout, pt.device)
