@@ -135,3 +135,36 @@ def test_hydra_router_replay_mode_reaches_the_engine_config(verl_env):
             "actor_rollout_ref.actor.longmoe.router_replay.mode=R3"])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.engine.router_replay.mode == "R3"
+
+
+def _cp_record(rank, world, backend, path, data):
+    import os
+
+    from tensordict import TensorDict
+    from verl.plugin.platform import platform_manager
+
+    from _verl import HostPlatform
+    os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+    platform_manager.set_platform(HostPlatform())
+    w = worker(path, PRESET, max_tokens=24, extra=["parallel.cp=2"], replay="R2")
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+    td = left_right_2_no_padding(TensorDict(data, batch_size=[data["prompts"].shape[0]]))
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False,
+                         max_token_len_per_gpu=24)
+    out = w.infer_batch(td)
+    return None if out is None else [t.clone() for t in tu.get(out, "routed_experts").unbind()]
+
+
+@pytest.mark.slow
+def test_r2_records_whole_rows_under_context_parallelism(verl_env):
+    """CP 2: each rank routes a zigzag half of every row; the recorded routes come back whole,
+    in the row's order, on the rank that hands outputs to verl."""
+    from longmoe.api import run_local
+    pt, path = reference(PRESET, verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "right", n=4, seed=8)
+    got = run_local(_cp_record, 2, str(path), {k: td[k] for k in td.keys()})
+    assert got[1] is None
+    for s, r in zip(samples, got[0]):
+        torch.testing.assert_close(r.long(), own_routes(pt, s), rtol=0, atol=0)

@@ -310,12 +310,13 @@ class LongMoEEngine(BaseEngine):
                                        with_entropy=entropy, packing=packing,
                                        temperature_BS=batch.temperature,
                                        routes_BSLK=batch.routed_experts)
-            routes = take(*batch.input_ids.shape).to(torch.int16) if record else None
+            # int32 for the gather (NCCL and gloo have no int16), int16 as verl's rollout gives
+            routes = take(*batch.input_ids.shape).to(torch.int32) if record else None
         if pt.layout.cp > 1:  # forward only (see forward_backward_batch): whole rows back
             lp = whole_rows(lp, row, pt.layout)
             ent = whole_rows(ent, row, pt.layout) if entropy else None
             routes = whole_rows(routes, row, pt.layout) if record else None
-        return lp, ent, aux, offsets, routes
+        return lp, ent, aux, offsets, None if routes is None else routes.to(torch.int16)
 
     def _infer(self, micro, replay: bool = False, record: bool = False) -> list[dict]:
         """Inference (verl's compute_log_prob): every micro-batch's forward is queued without
