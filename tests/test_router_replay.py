@@ -80,6 +80,22 @@ def test_replaying_own_routes_is_the_plain_forward_and_backward():
             torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=n)
 
 
+def test_compute_logprobs_records_the_routes_a_later_step_replays():
+    """R2 through the API: compute_logprobs(with_routes=True) returns each token's experts
+    (those of a forward of the sample alone), its log-probs unchanged; attached to the samples
+    they make the next forward_backward the plain one."""
+    pt, ref = _trainer(), _trainer()
+    samples = make_samples(9, 5)
+    lp, ent, routes = pt.compute_logprobs(samples, with_entropy=True, with_routes=True)
+    lp0, ent0 = pt.compute_logprobs(samples, with_entropy=True)
+    for a, b, c, d, r, s in zip(lp, lp0, ent, ent0, routes, samples):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(c, d, rtol=0, atol=0, equal_nan=True)
+        assert r.dtype == torch.int16 and torch.equal(r.long(), own_routes(pt, s))
+    replayed = [dataclasses.replace(s, routed_experts=r) for s, r in zip(samples, routes)]
+    assert pt.forward_backward(replayed)["loss"] == ref.forward_backward(samples)["loss"]
+
+
 def test_replayed_routes_follow_their_samples_through_packing():
     """Samples with foreign routes and without, packed together: each equals its own forward
     (alone in a row) with its routes; those without equal the plain forward."""
@@ -115,7 +131,7 @@ def test_pack_rows_and_truncation_carry_routes():
 
 
 def _ranks_rank(rank, world, backend, d, samples):
-    return _trainer(d).compute_logprobs(samples)
+    return _trainer(d).compute_logprobs(samples, with_routes=True)
 
 
 @pytest.mark.slow
@@ -127,10 +143,16 @@ def test_replay_on_two_ranks_equals_one_process(layout):
     pt = _trainer(d1)
     samples = [dataclasses.replace(s, routed_experts=foreign_routes(pt, s, i))
                for i, s in enumerate(make_samples(8, 4))]
-    want = pt.compute_logprobs(samples)
-    for got in run_ranks(_ranks_rank, 2, run_dict(4, **layout), samples):
+    want, want_routes = pt.compute_logprobs(samples, with_routes=True)
+    # the replayed experts are what each token used; the ones left to the router (none here)
+    # would be its own
+    for s, r in zip(samples, want_routes):
+        assert torch.equal(r.long(), s.routed_experts)
+    for got, routes in run_ranks(_ranks_rank, 2, run_dict(4, **layout), samples):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0, equal_nan=True)
+        for a, b in zip(routes, want_routes):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("bad,match", [

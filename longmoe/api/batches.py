@@ -135,6 +135,28 @@ def scatter_results(call: CallPlan, rows_by_micro, data_rank: int, offsets: list
                 o += len(s)
 
 
+def scatter_routes(call: CallPlan, routes_by_micro, data_rank: int, offsets: list[int],
+                   flat: torch.Tensor) -> None:
+    """Write this data rank's recorded experts (per micro-batch, [rows, tokens, layers, top_k]
+    whole rows) into `flat` plus one, each sample's tokens as trained at offsets[k] (its
+    sample_offsets entry); tokens a truncation cut keep what `flat` holds."""
+    for order, rt in zip(order_of(call, data_rank), routes_by_micro):
+        for r, row in enumerate(order):
+            o = 0
+            for k in row:
+                n = len(call.fitted[k])
+                flat[offsets[k]:offsets[k] + n] = rt[r, o:o + n].to(flat) + 1
+                o += n
+
+
+def sample_offsets(samples: list[Sample]) -> list[int]:
+    out, o = [], 0
+    for s in samples:
+        out.append(o)
+        o += len(s)
+    return out + [o]
+
+
 def response_offsets(samples: list[Sample]) -> list[int]:
     out, o = [], 0
     for s in samples:

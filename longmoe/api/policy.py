@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from longmoe.api.batches import (labelled, plan_call, rank_step_data, response_offsets,
-                                 scatter_results, whole_rows)
+                                 sample_offsets, scatter_results, scatter_routes, whole_rows)
 from longmoe.api.checks import agree, check_masks, check_samples, with_bool_mask
 from longmoe.backends import active_backend, get_backend
 from longmoe.checkpoint.directory import claim, remove_stale_tmp
@@ -358,15 +360,19 @@ class PolicyTrainer:
         return info
 
     @torch.no_grad()
-    def compute_logprobs(self, samples, with_entropy: bool = False):
+    def compute_logprobs(self, samples, with_entropy: bool = False, with_routes: bool = False):
         """Per sample (input order, every rank), the log-probs of its response tokens under the
         current weights: fp32 CPU tensors of the response's length, forward only through the
         LM head's linear cross-entropy. The loss mask is ignored (every response token gets
         its value); NaN where there is none: the first token of an empty prompt, tokens past
         a data.overlong truncation, all of a dropped sample. with_entropy: (log-probs,
-        entropies of the full softmax)."""
+        entropies of the full softmax). with_routes: and, last, per sample the experts each of
+        its tokens was routed to, [prompt + response, layers, top_k] int16 CPU tensors (-1 past
+        a truncation): the sample's routed_experts for replaying this routing in a later
+        forward_backward (router replay R2)."""
         what = "compute_logprobs"
-        call = self._checked(samples, what, f"compute_logprobs {bool(with_entropy)}", False)
+        call = self._checked(samples, what, f"compute_logprobs {bool(with_entropy)} "
+                                            f"{bool(with_routes)}", False)
         samples = list(samples)
         data = rank_step_data(self.run, call, self.layout.data_rank, transform=labelled)
         offsets = response_offsets(samples)
@@ -374,16 +380,20 @@ class PolicyTrainer:
         # values then "has a value" per field; each token is written by one rank only (the
         # first of its CP group), so the sum is exact.
         flat = torch.zeros(2 * k * T, dtype=torch.float32, device=self.device)
-        results = []
+        results, routes = [], []
         for mb in data.micro:
             batch, positions, packing = local_micro_batch(mb, self.layout, self.device)
             if self.layout.cp > 1:
                 set_cp_row_length(self.model, self.layout, mb.row_len)
             # token ids were range-checked on the host (_checked): no device read per micro-batch
-            lp, ent = forward_logprobs(self.model, batch.input_ids, batch.labels, positions,
-                                       packing, with_entropy, check_values=False,
-                                       temperature=batch.temperature,
-                                       routes=batch.routed_experts)
+            with self.model.record_routes() if with_routes else nullcontext() as take:
+                lp, ent = forward_logprobs(self.model, batch.input_ids, batch.labels, positions,
+                                           packing, with_entropy, check_values=False,
+                                           temperature=batch.temperature,
+                                           routes=batch.routed_experts)
+                if with_routes:  # int32: collectives have no int16
+                    routes.append(whole_rows(take(*batch.input_ids.shape).to(torch.int32),
+                                             mb.row_len, self.layout))
             got = [whole_rows(lp, mb.row_len, self.layout)]
             if with_entropy:
                 got.append(whole_rows(ent, mb.row_len, self.layout))
@@ -409,7 +419,21 @@ class PolicyTrainer:
             vals, has = flat[f * T:(f + 1) * T], flat[(k + f) * T:(k + f + 1) * T]
             vals = torch.where(has > 0, vals, float("nan"))
             outs.append([vals[offsets[i]:offsets[i + 1]].clone() for i in range(len(samples))])
-        return (outs[0], outs[1]) if with_entropy else outs[0]
+        if with_routes:
+            outs.append(self._gathered_routes(call, samples, routes))
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _gathered_routes(self, call, samples, routes) -> list[torch.Tensor]:
+        """compute_logprobs' recorded experts per sample, on every rank: each token's written
+        by one rank (plus one, so 0 is "none"), summed over the batch group."""
+        offs, m = sample_offsets(samples), self.run.model
+        flat = torch.zeros(offs[-1], m.num_layers, m.top_k, dtype=torch.int32, device=self.device)
+        if self.layout.cp_rank == 0:
+            scatter_routes(call, routes, self.layout.data_rank, offs, flat)
+        if self.layout.world > 1:
+            dist.all_reduce(flat, group=self.layout.batch_group)
+        flat = (flat.cpu() - 1).to(torch.int16)
+        return [flat[offs[i]:offs[i + 1]].clone() for i in range(len(samples))]
 
     # ---- weights -------------------------------------------------------------------------------
 
