@@ -9,6 +9,9 @@
 # This script has not been run: no machine it was written on has vLLM or SGLang. Its overrides
 # compose with verl 0.9.1's ppo_trainer config into LongMoEActorConfig and pass the engine's
 # checks (tests/test_verl_engine.py reads them from this file and composes them on CPU).
+# tests/test_verl_main_ppo.py runs the same path on CPU (main_ppo, the hybrid
+# ActorRolloutRefWorker on longmoe, agent-loop rollouts, reward, GRPO, update_actor, the naive
+# weight sync), with a transformers stand-in in vLLM's place (tests/_verl_e2e.py) and a tiny model.
 #
 #   MODEL=/models/Qwen3.5-35B-A3B TRAIN=~/data/gsm8k/train.parquet VAL=~/data/gsm8k/test.parquet \
 #       LONGMOE_SET="['parallel.ep=8']" bash bench/verl_e2e.sh

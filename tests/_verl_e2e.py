@@ -123,6 +123,7 @@ class StandInServer:
         self.model = _load(self.model_path)
         self.rng = torch.Generator().manual_seed(int(seed))
         self.syncs = []  # (global_steps, digest) per weight sync
+        self.global_steps = None  # the weights' version, in every output (as vLLM's server)
         self.requests = 0
         self.awake = True
 
@@ -133,6 +134,8 @@ class StandInServer:
         digest = weight_digest(named.items())
         frozen = bool(self.syncs) and os.environ.get(FREEZE) == "1"
         self.syncs.append((global_steps, digest))
+        if global_steps is not None:
+            self.global_steps = global_steps
         record = os.environ.get(RECORD)
         if record:
             with open(record, "a") as f:
@@ -182,7 +185,7 @@ class StandInServer:
                 break
         stop = "completed" if out[-1] in eos else "length"
         return TokenOutput(token_ids=out, log_probs=logps if params.get("logprobs") else None,
-                           stop_reason=stop)
+                           stop_reason=stop, extra_fields={"global_steps": self.global_steps})
 
     # verl's replica control calls: nothing to free on a host.
     def wake_up(self):
@@ -337,9 +340,10 @@ TINY = ["model.preset=tiny", "train.device=cpu", "model.init_std=0.2"]
 PROMPTS, N, RESPONSE = 4, 2, 8  # prompts per step, responses per prompt, response tokens
 
 
-def main_ppo_overrides(hf, train, val, out, steps, save_freq=-1):
+def main_ppo_overrides(hf, train, val, out, steps, save_freq=-1, v1=False):
     """main_ppo's hydra overrides: bench/verl_e2e.sh's GRPO run (model_engine=longmoe, the fused
-    ppo_loss settings), cut to tiny batches, the stand-in rollout and verl's legacy trainer."""
+    ppo_loss settings), cut to tiny batches and the stand-in rollout. `v1`: verl's default
+    trainer (needs TransferQueue), else its legacy one (main_ppo_v0, RayPPOTrainer)."""
     return [
         "hydra.searchpath=[pkg://longmoe.integrations.verl.configs]",
         "model_engine=longmoe",
@@ -368,9 +372,11 @@ def main_ppo_overrides(hf, train, val, out, steps, save_freq=-1):
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
         "trainer.val_before_train=false", f"trainer.save_freq={save_freq}",
         "trainer.logger=[console]", f"trainer.default_local_dir={Path(out) / 'checkpoints'}",
-        "trainer.use_v1=false",
+        f"trainer.use_v1={str(v1).lower()}",
+        # one TransferQueue storage actor (v1) instead of 8, each of which takes a Ray CPU
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         # Ray's resources are logical: one "GPU" for verl's placement bundle, CPUs for its actors
-        "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8",
+        "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=16",
     ]
 
 
@@ -386,7 +392,7 @@ def main_ppo_env(record=None, freeze=False):
     return env
 
 
-def prepare(out, steps=3):
+def prepare(out, steps=3, v1=False):
     """The model directory and data under `out`; (environment, main_ppo's argv)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -394,12 +400,14 @@ def prepare(out, steps=3):
     train = write_data(out / "train.parquet", 4 * PROMPTS, seed=0)
     val = write_data(out / "val.parquet", PROMPTS, seed=1)
     argv = [sys.executable, "-m", "verl.trainer.main_ppo",
-            *main_ppo_overrides(hf, train, val, out, steps)]
+            *main_ppo_overrides(hf, train, val, out, steps, v1=v1)]
     return main_ppo_env(out / "syncs.jsonl"), argv
 
 
 if __name__ == "__main__":
-    # python tests/_verl_e2e.py OUT [STEPS]: writes OUT/hf and the parquet, prints the command
+    # python tests/_verl_e2e.py OUT [STEPS] [v1]: writes OUT/hf and the parquet, prints the
+    # command (verl's legacy trainer; "v1": its default one)
     import shlex
-    env, argv = prepare(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+    env, argv = prepare(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3,
+                        v1=len(sys.argv) > 3 and sys.argv[3] == "v1")
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
