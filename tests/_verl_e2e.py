@@ -6,7 +6,9 @@ this directory on PYTHONPATH, `VERL_USE_EXTERNAL_MODULES=_verl_e2e` and `VERL_PL
 every process of the run (the driver, verl's TaskRunner, its worker, agent-loop and reward
 actors) registers:
 
-- the host platform (tests/_verl.py's HostPlatform: device "cpu", gloo) under "host";
+- the host platform under "host": tests/_verl.py's HostPlatform (device "cpu", gloo), which
+  also starts a Ray worker's gloo group (verl's own start fails for device "cpu") and answers
+  verl's device-memory query with the host's;
 - a rollout named "hf_standin" in verl's two rollout registries: `StandInReplica` (a
   RolloutReplica whose one server is a ray actor generating with transformers' model of the
   same Hugging Face directory, token in, token out, with log-probs) and `StandInRollout` (the
@@ -268,7 +270,7 @@ rollout_base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = "_verl_e2e.StandInRollout"
 
 # --- the toy task: a tokenizer, the model directory, the data and the reward ---------------
 
-WORDS = 500  # w0 .. w499; ids 0..11 are the specials and chat words
+WORDS = 500  # w0 .. w499 are ids 8 .. 507; 0 .. 7 the specials, newline and the roles
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n" \
        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
