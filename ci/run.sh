@@ -170,7 +170,7 @@ verl_tests() {
     fi
     begin "tests: verl integration"
     run_tests "$venv/bin/python" -m pytest -q tests/test_verl_engine.py tests/test_verl_ranks.py tests/test_verl_syncs.py \
-        tests/test_verl_temperature.py tests/test_verl_router_replay.py \
+        tests/test_verl_temperature.py tests/test_verl_router_replay.py tests/test_verl_main_ppo.py \
         -m "slow or not slow"
     end
 }
