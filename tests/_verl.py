@@ -137,6 +137,16 @@ def verl_env(tmp_path_factory):
             os.environ[k] = v
 
 
+def ppo_config(*extra, longmoe=True):
+    """verl's ppo_trainer hydra config with `extra` overrides; `longmoe`: our config package on
+    hydra's search path and model_engine=longmoe before them."""
+    from hydra import compose, initialize_config_module
+    head = (["hydra.searchpath=[pkg://longmoe.integrations.verl.configs]", "model_engine=longmoe"]
+            if longmoe else [])
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_trainer", overrides=head + list(extra))
+
+
 def overrides(preset):
     return MODELS[preset] + ["train.device=cpu", "model.init_std=0.2",
             "loss.kl_coef=0.0", "optim.warmup_steps=0"]

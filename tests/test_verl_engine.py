@@ -15,7 +15,7 @@ import torch
 
 verl = pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 
-from _verl import (PRESETS, _train_inputs, overrides, ragged, reference,  # noqa: E402,F401
+from _verl import (PRESETS, _train_inputs, overrides, ppo_config, ragged, reference,  # noqa: E402,F401
                    train_mini_batch, verl_env, verl_logprobs, worker)
 from tensordict import TensorDict  # noqa: E402
 from test_verl_syncs import audit_paths, counts, table  # noqa: E402
@@ -253,14 +253,10 @@ def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
     """verl's ppo_trainer with `model_engine=longmoe` and our config package on hydra's search
     path: the actor and the reference policy become LongMoEActorConfig with strategy longmoe
     (the reference forward only), the critic stays verl's FSDP one."""
-    from hydra import compose, initialize_config_module
     from omegaconf import open_dict
     from verl.utils.config import omega_conf_to_dataclass
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose("ppo_trainer", overrides=[
-            "hydra.searchpath=[pkg://longmoe.integrations.verl.configs]", "model_engine=longmoe",
-            "actor_rollout_ref.actor.use_dynamic_bsz=true",
-            "actor_rollout_ref.actor.longmoe.overrides=['parallel.ep=2']"])
+    cfg = ppo_config("actor_rollout_ref.actor.use_dynamic_bsz=true",
+                     "actor_rollout_ref.actor.longmoe.overrides=['parallel.ep=2']")
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, LongMoEActorConfig) and actor.strategy == "longmoe"
     assert isinstance(actor.engine, LongMoEEngineConfig)
@@ -281,26 +277,23 @@ def test_hydra_model_engine_longmoe_selects_the_engine_configs(verl_env):
 def _actor_rollout_ref(path, preset, role, budget=64, mini_batch=4):
     """verl's ActorRolloutRefWorker for `role` ("actor" or "ref": no rollout engine), from verl's
     ppo_trainer config with model_engine=longmoe, as verl's trainer builds it."""
-    from hydra import compose, initialize_config_module
     from verl.workers.engine_workers import ActorRolloutRefWorker
     longmoe = ",".join(f"'{o}'" for o in overrides(preset))
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose("ppo_trainer", overrides=[
-            "hydra.searchpath=[pkg://longmoe.integrations.verl.configs]", "model_engine=longmoe",
-            f"actor_rollout_ref.model.path={path}", "+actor_rollout_ref.model.load_tokenizer=false",
-            "actor_rollout_ref.actor.use_dynamic_bsz=true",
-            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
-            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
-            f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
-            "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.optim.lr=0.01",
-            "actor_rollout_ref.actor.optim.weight_decay=0.01",
-            "actor_rollout_ref.actor.optim.betas=[0.9,0.95]", "actor_rollout_ref.actor.optim.clip_grad=1.0",
-            "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0",
-            "actor_rollout_ref.actor.shuffle=false",
-            f"actor_rollout_ref.actor.longmoe.overrides=[{longmoe}]"])
+    cfg = ppo_config(
+        f"actor_rollout_ref.model.path={path}", "+actor_rollout_ref.model.load_tokenizer=false",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
+        "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.optim.lr=0.01",
+        "actor_rollout_ref.actor.optim.weight_decay=0.01",
+        "actor_rollout_ref.actor.optim.betas=[0.9,0.95]", "actor_rollout_ref.actor.optim.clip_grad=1.0",
+        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.shuffle=false",
+        f"actor_rollout_ref.actor.longmoe.overrides=[{longmoe}]")
     w = ActorRolloutRefWorker(cfg.actor_rollout_ref, role=role)
     w.init_model()
     return w
@@ -324,15 +317,13 @@ def test_e2e_script_overrides_compose_into_the_engine_configs(verl_env):
     """bench/verl_e2e.sh's overrides compose with verl's ppo_trainer config into the longmoe actor
     and reference configs that ActorRolloutRefWorker.init_model builds, and pass the checks the
     engine makes before any rank starts (optimizer and schedule, dynamic batch sizes agree)."""
-    from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass
 
     from longmoe.integrations.verl.schedule import check_optimizer
     ov = _e2e_overrides()
     assert "model_engine=longmoe" in ov and any(o.startswith("actor_rollout_ref.rollout.name")
                                                 for o in ov)
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose("ppo_trainer", overrides=ov)
+    cfg = ppo_config(*ov, longmoe=False)   # the script names both itself
     arr = cfg.actor_rollout_ref
     actor = omega_conf_to_dataclass(arr.actor)
     assert isinstance(actor, LongMoEActorConfig) and actor.engine.overrides == ["parallel.ep=8"]

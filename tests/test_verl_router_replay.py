@@ -12,8 +12,8 @@ import torch
 
 verl = pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 
-from _verl import (_train_inputs, ragged, reference, train_mini_batch, verl_env,  # noqa: E402,F401
-                   verl_logprobs, worker)
+from _verl import (_train_inputs, ppo_config, ragged, reference,  # noqa: E402,F401
+                   train_mini_batch, verl_env, verl_logprobs, worker)
 from test_router_replay import foreign_routes, own_routes  # noqa: E402
 
 # The update comparisons need the balance loss off (tests/_verl.py, MODELS): it is a statistic
@@ -125,14 +125,9 @@ def test_replay_without_routes_or_with_bad_ones_is_refused(verl_env):
 
 
 def test_hydra_router_replay_mode_reaches_the_engine_config(verl_env):
-    from hydra import compose, initialize_config_module
-    from omegaconf import open_dict  # noqa: F401
     from verl.utils.config import omega_conf_to_dataclass
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose("ppo_trainer", overrides=[
-            "hydra.searchpath=[pkg://longmoe.integrations.verl.configs]", "model_engine=longmoe",
-            "actor_rollout_ref.actor.use_dynamic_bsz=true",
-            "actor_rollout_ref.actor.longmoe.router_replay.mode=R3"])
+    cfg = ppo_config("actor_rollout_ref.actor.use_dynamic_bsz=true",
+                     "actor_rollout_ref.actor.longmoe.router_replay.mode=R3")
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.engine.router_replay.mode == "R3"
 

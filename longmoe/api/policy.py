@@ -187,14 +187,19 @@ class PolicyTrainer:
     def _plan(self, samples, what: str, signal: bool):
         """The call's plan, from the samples as trained: 0/1 masks as bool; compute_logprobs
         (not `signal`) reads no training field, the mask included."""
-        m = self.run.model
-        check_samples(samples, what, m.vocab_size, signal=False,
-                      routes=(m.num_layers, m.top_k, m.num_experts))
+        check_samples(samples, what, self.run.model.vocab_size, signal=False,
+                      routes=self._route_dims)
         if signal:
             check_masks(samples, what)
         fix = with_bool_mask if signal else labelled
         return plan_call(self.run, [fix(s) for s in samples], self.layout.data_world,
                          self.crossover, what)
+
+    @property
+    def _route_dims(self) -> tuple[int, int, int]:
+        """(layers, top_k, experts): the shape a sample's routed_experts must fit."""
+        m = self.run.model
+        return m.num_layers, m.top_k, m.num_experts
 
     def _checked(self, samples, what: str, call: str, signal: bool, extra=(), after=()):
         """Host checks and the call's plan, then the agreement collective (checks.agree): the
@@ -211,9 +216,8 @@ class PolicyTrainer:
             plan = self._plan(samples, what, signal)
             if signal:
                 kept = [max(n - s.prompt_len, 0) for s, n in zip(samples, plan.plan.lengths)]
-                m = self.run.model
                 check_samples(samples, what, V, need, signal=True, kept=kept,
-                              routes=(m.num_layers, m.top_k, m.num_experts))
+                              routes=self._route_dims)
             for check in after:
                 check(plan.tokens, plan.samples)
         except UserError as e:

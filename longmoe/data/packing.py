@@ -19,8 +19,8 @@ a sample of seq_len + 1 tokens).
 
 `routed_experts` (None when no sample has any) gives every position its sample's replayed
 experts per MoE layer, [R, S, layers, top_k] int16, -1 where the router decides (padding, and
-samples without routes). `temperature` (None when every sample's is 1) gives every position its sample's rollout
-temperature (1 on padding): the LM head divides that position's logits by it.
+samples without routes). `temperature` (None when every sample's is 1) gives every position its
+sample's rollout temperature (1 on padding): the LM head divides that position's logits by it.
 
 `sample_tokens` gives every token its whole sample's trained-token count (0 on padding), for the
 per-sample loss aggregation modes; it is counted here, before a context-parallel split of a row,

@@ -126,8 +126,7 @@ class MoETransformer(nn.Module):
             if any(len(r.recorded) != 1 for r in routers):
                 raise RuntimeError("record_routes: take() expects exactly one forward since the "
                                    "last take")
-            got = torch.stack([r.recorded.pop().view(rows, tokens, -1) for r in routers], 2)
-            return got
+            return torch.stack([r.recorded.pop().view(rows, tokens, -1) for r in routers], 2)
 
         for r in routers:
             r.recorded = []
