@@ -124,6 +124,54 @@ def test_replay_without_routes_or_with_bad_ones_is_refused(verl_env):
         verl_logprobs(w, td, 64, entropy=False)
 
 
+def test_rows_verl_fills_with_zeros_route_by_the_router(verl_env):
+    """verl's agent loop zero-fills the rows the rollout recorded none for (the final generated
+    token; a trajectory's trailing tool tokens): those rows repeat expert 0 and route as the
+    router decides, exactly as -1 rows through the API; a mixed row is refused by name."""
+    pt, path = reference(PRESET, verl_env)
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=5)
+    routed = _with_routes(pt, samples, 30)
+    native = []
+    for i, s in enumerate(routed):
+        r = s.routed_experts.clone()
+        r[-1 if i % 2 else -4:] = 0          # one final row; or four trailing rows
+        routed[i] = dataclasses.replace(s, routed_experts=r)
+        native.append(dataclasses.replace(s, routed_experts=_zero_rows_off(r)))
+    want = pt.compute_logprobs(native)
+    td["routed_experts"] = _padded_routes(td, routed)
+    lp, _, _ = verl_logprobs(worker(path, PRESET, replay="R3"), td, 200, entropy=False)
+    for i, s in enumerate(samples):
+        R = s.response.numel()
+        assert torch.allclose(lp[i, :R], want[i], atol=1e-5, rtol=0), i
+    # the zero rows do reach the router: replaying expert 0 there would change the log-probs
+    # of the response tokens that follow the four zero-filled rows
+    forced = pt.compute_logprobs([dataclasses.replace(s, routed_experts=_dupes_to_distinct(
+        s.routed_experts)) for s in routed])
+    assert not torch.allclose(forced[0], want[0], atol=1e-4)
+    P = td["prompts"].shape[1]
+    td["routed_experts"][0, P - 1, 0] = torch.tensor([-1] + [3] * (routed[0].routed_experts
+                                                              .shape[-1] - 1))
+    with pytest.raises(ValueError, match=r"routed_experts\[\d+, 0\] = \[-1, 3.*mixes"):
+        verl_logprobs(worker(path, PRESET, replay="R3"), td, 200, entropy=False)
+
+
+def _zero_rows_off(r):
+    """A row of zeros (verl's mark of no route) as longmoe's -1 row."""
+    return torch.where((r == 0).all(-1, keepdim=True), torch.full_like(r, -1), r)
+
+
+def _dupes_to_distinct(r):
+    """Zero rows as the distinct experts 0..top_k-1: a real route, unlike verl's mark."""
+    K = r.shape[-1]
+    return torch.where((r == 0).all(-1, keepdim=True), torch.arange(K).expand_as(r), r)
+
+
+def test_replay_needs_top_k_of_two(verl_env):
+    pt, path = reference(PRESET, verl_env)
+    with pytest.raises(ValueError, match=r"router_replay.mode.*top_k >= 2"):
+        worker(path, PRESET, replay="R3", extra=["model.top_k=1"])
+
+
 def test_hydra_router_replay_mode_reaches_the_engine_config(verl_env):
     from verl.utils.config import omega_conf_to_dataclass
     cfg = ppo_config("actor_rollout_ref.actor.use_dynamic_bsz=true",

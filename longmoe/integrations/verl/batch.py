@@ -92,21 +92,45 @@ def to_samples(values: torch.Tensor, offsets: list[int], temps: list[float] | No
 
 def routed_values(micro_batch) -> torch.Tensor | None:
     """The micro-batch's routed_experts (verl's jagged [bsz, j, layers, top_k]) as host values
-    [total, layers, top_k], or None where the batch has none."""
+    [total, layers, top_k] in longmoe's convention, or None where the batch has none. verl
+    marks a token the rollout engine recorded no route for by an all-zero row (its agent loop
+    zero-fills the rows past the rollout's: the final generated token, trailing tool tokens);
+    a row that repeats an expert becomes -1, the router's own choice, as verl's own engines
+    route such rows natively. Routed experts are distinct, so no recorded route is lost."""
+    v = _given_routes(micro_batch)
+    if v is None:
+        return None
+    return torch.where(repeats_expert(v).unsqueeze(-1), torch.full_like(v, -1), v)
+
+
+def _given_routes(micro_batch) -> torch.Tensor | None:
+    """routed_experts' values as verl gives them, on the host."""
     if "routed_experts" not in micro_batch.keys():
         return None
     r = micro_batch["routed_experts"]
     return (r.values() if getattr(r, "is_nested", False) else r).detach().cpu()
 
 
+def repeats_expert(v: torch.Tensor) -> torch.Tensor:
+    """[..., top_k] ids -> [...] bool: the row names some expert twice (-1 rows excluded).
+    Pairwise: top_k^2 / 2 compares, cheaper on the host than a sort for top_k <= 16."""
+    K = v.shape[-1]
+    out = torch.zeros(v.shape[:-1], dtype=torch.bool)
+    for i in range(K):
+        for j in range(i + 1, K):
+            out |= v[..., i] == v[..., j]
+    return out & (v[..., 0] >= 0)
+
+
 def check_routes(data, layers: int, top_k: int, experts: int) -> None:
     """Once per batch, on the host: routed_experts holds, per token of input_ids, `layers` rows
-    of `top_k` expert ids in [0, experts) (or -1, the router's choice)."""
+    of `top_k` expert ids in [0, experts), or of -1 (the router's choice). A row that repeats an
+    expert is verl's mark of no recorded route (routed_values)."""
     if "routed_experts" not in data.keys():
         raise UserError("longmoe engine: router_replay needs routed_experts in the batch (R3: "
                         "rollout.enable_rollout_routing_replay=true; R2: the actor's "
                         "compute_log_prob output)")
-    v, total = routed_values(data), int(data["input_ids"].offsets()[-1])
+    v, total = _given_routes(data), int(data["input_ids"].offsets()[-1])
     if v.dtype.is_floating_point or tuple(v.shape) != (total, layers, top_k):
         raise UserError(f"longmoe engine: routed_experts must be integers [{total}, {layers}, "
                         f"{top_k}] (tokens, MoE layers, top_k); got {v.dtype} {tuple(v.shape)}")
@@ -115,6 +139,12 @@ def check_routes(data, layers: int, top_k: int, experts: int) -> None:
         t, j, k = (int(x) for x in bad[0])
         raise UserError(f"longmoe engine: routed_experts[{t}, {j}, {k}] = {int(v[t, j, k])} is "
                         f"not an expert id in [0, {experts})")
+    off = v < 0
+    mixed = (off.any(-1) & ~off.all(-1)).nonzero()
+    if mixed.numel():
+        t, j = (int(x) for x in mixed[0])
+        raise UserError(f"longmoe engine: routed_experts[{t}, {j}] = {v[t, j].tolist()} mixes "
+                        f"expert ids and -1 (a token's row is all ids or all -1)")
 
 
 def temperatures(micro_batch) -> list[float] | None:

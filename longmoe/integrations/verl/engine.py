@@ -105,6 +105,12 @@ class LongMoEEngine(BaseEngine):
         if rr not in ("disabled", "R2", "R3"):
             raise ConfigError("router_replay.mode", f"must be disabled, R2 or R3; got {rr!r}")
         self.replay_mode = "disabled" if getattr(engine_config, "forward_only", False) else rr
+        if self.replay_mode != "disabled" and self.run.model.top_k < 2:
+            # verl marks a token without a recorded route by an all-zero row (routed_values):
+            # at top_k 1 that row reads as a route to expert 0
+            raise ConfigError("router_replay.mode", f"{rr} needs model.top_k >= 2 (verl marks "
+                              f"tokens without a recorded route by all-zero rows); the model "
+                              f"has top_k {self.run.model.top_k}")
 
     # ---- setup and modes -----------------------------------------------------------------------
 
