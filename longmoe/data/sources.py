@@ -143,50 +143,65 @@ class JsonlSource(_Indexed):
 
 
 class ParquetSource(_Indexed):
+    """`memory_pool`: the Arrow pool every read of the file allocates from (Arrow's default pool
+    when None); the source keeps it alive as long as it holds data read from it (Arrow buffers
+    point at their pool without owning it)."""
     SCAN_ROWS = 16      # rows turned into Python objects at once while validating
 
-    def __init__(self, path: str | Path, check: Check):
-        import pyarrow.parquet as pq
+    def __init__(self, path: str | Path, check: Check, memory_pool=None):
+        import pyarrow.dataset as ds
+        from pyarrow.fs import LocalFileSystem
 
         self.path = path = Path(path)
         _require_file(path)
+        self.memory_pool = memory_pool
         try:
-            self._file = pq.ParquetFile(path)
+            self._file = ds.ParquetFileFormat().make_fragment(str(path), LocalFileSystem())
+            self._file.ensure_complete_metadata()     # reads the footer
+            names = set(self._file.physical_schema.names)
         except Exception as e:  # pyarrow raises its own error types for a file it cannot read
             raise UserError(f"{path}: not a readable Parquet file ({e})") from None
-        names = set(self._file.schema_arrow.names)
         for key in REQUIRED:
             if key not in names:
                 raise UserError(f"{path}: missing column {key!r}")
         self.columns = [k for k in FIELDS if k in names]
-        meta = self._file.metadata
-        self.group_starts = np.cumsum([0] + [meta.row_group(g).num_rows
-                                             for g in range(meta.num_row_groups)], dtype=np.int64)
+        self._groups = self._file.split_by_row_group()
+        self.group_starts = np.cumsum([0] + [f.row_groups[0].num_rows for f in self._groups],
+                                      dtype=np.int64)
         plen, rlen = array("i"), array("i")
         i = 0
-        for g in range(meta.num_row_groups):
-            group = self._file.read_row_group(g, columns=self.columns)
-            for batch in group.to_batches(max_chunksize=self.SCAN_ROWS):
-                for row in batch.to_pylist():
-                    where, row = self.where(i), _drop_nulls(row)
-                    p, r = _sizes(row, where)
-                    check(row, where)
-                    plen.append(p), rlen.append(r)
-                    i += 1
-            group = batch = None     # a batch slice would keep the group's buffers alive
+        try:
+            for g in range(len(self._groups)):
+                group = self._read_group(g)
+                for batch in group.to_batches(max_chunksize=self.SCAN_ROWS):
+                    for row in batch.to_pylist():
+                        where, row = self.where(i), _drop_nulls(row)
+                        p, r = _sizes(row, where)
+                        check(row, where)
+                        plen.append(p), rlen.append(r)
+                        i += 1
+                group = batch = None     # a batch slice would keep the group's buffers alive
+        finally:                         # a bad row's traceback keeps this frame
+            group = batch = None
         if not plen:
             raise UserError(f"{path}: no rows")
         self.prompt_lens = np.frombuffer(plen, dtype=np.int32)
         self.response_lens = np.frombuffer(rlen, dtype=np.int32)
         self._cached: tuple[int, object] | None = None
 
+    def _read_group(self, g: int):
+        return self._groups[g].to_table(columns=self.columns, memory_pool=self.memory_pool)
+
     def where(self, i: int) -> str:
         return f"{self.path}:row {i}"
 
     def _group(self, g: int):
         if self._cached is None or self._cached[0] != g:
-            self._cached = (g, self._file.read_row_group(g, columns=self.columns))
+            self._cached = (g, self._read_group(g))
         return self._cached[1]
+
+    def __del__(self):
+        self._cached = None     # the row group goes before the pool it was read into
 
     def get_many(self, indices: Sequence[int]) -> list[Sample]:
         out: dict[int, Sample] = {}
