@@ -159,23 +159,47 @@ def param_split(cfg: ModelConfig) -> dict[str, int]:
             "embed": cfg.vocab_size * h, "head": cfg.vocab_size * h + h}
 
 
+def norm_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[str, int]:
+    """Bytes per token each kind of RMS norm keeps for backward on the default GPU path
+    (impl.norm=auto on a GPU: the Triton kernels of longmoe/ops/kernels/norm_rows.py, which keep
+    their input as it came and an fp32 1/rms a row, where the eager and compiled functions keep
+    fp32 copies of it):
+      rms    an H-wide norm (each layer's two, the head's): its input and 1/rms;
+      qk     the q and k norms, RoPE fused in: q as q_proj's output holds it (with the output
+             gate, that whole output: the saved view keeps the gate half alive), k, and 1/rms a
+             head;
+      gated  the Gated DeltaNet output norm: the core's output and z, 1/rms a value head.
+    A norm's output is kept by the ops that read it and counted with them. tests/test_plan_norms.py
+    checks each against what autograd keeps, the kernels run under TRITON_INTERPRET=1 on CPU."""
+    b = a.compute_bytes
+    q_out = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    qk = b * (q_out + cfg.num_kv_heads * cfg.head_dim) + 4 * (cfg.num_heads + cfg.num_kv_heads)
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    return {"rms": b * cfg.hidden_size + 4, "qk": qk if cfg.qk_norm else 0,
+            "gated": 2 * b * hv * dv + 4 * hv}
+
+
 def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[str, float]:
     """Bytes per token (dense parts) and per routed row (MoE dispatch), counted from what
-    longmoe.model saves for backward: RMSNorm keeps its fp32 input and normalised output, q/k
-    norms are per-head RMSNorms, SDPA keeps q, k, v, out and an fp32 log-sum-exp per head."""
+    longmoe.model saves for backward: the norms as their Triton kernels, the default GPU path,
+    keep them (norm_bytes); SDPA keeps q, k, v, out and an fp32 log-sum-exp per head. The
+    attention's input norm keeps the layer input itself: that is "layer_input" (stored under
+    recompute; stored_none adds it without), so "attn" and "input_norm" count only its 1/rms."""
     b = a.compute_bytes
     H, E, F, Fs = cfg.hidden_size, cfg.num_experts, cfg.moe_ffn_size, cfg.shared_expert_ffn_size
     nd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    norm = 8 * H + b * H                                    # fp32 x and x*rsqrt, bf16 output
-    qk_norm = 8 * (nd + kd) if cfg.qk_norm else 0
-    gate = 2 * b * nd if cfg.attn_output_gate else 0        # gate and sigmoid(gate)
-    attn = (norm + qk_norm + gate
-            + 2 * b * (nd + kd)                             # rope inputs and outputs
+    nb = norm_bytes(cfg, a)
+    input_norm = nb["rms"] - b * H                          # 1/rms; its input: layer_input
+    gate = b * nd if cfg.attn_output_gate else 0            # sigmoid(gate)
+    # q/k norms run RoPE in their kernel (their outputs are SDPA's q and k); without them RoPE
+    # runs eagerly: its inputs and outputs
+    rope = 0 if cfg.qk_norm else 2 * b * (nd + kd)
+    attn = (input_norm + b * H + nb["qk"] + gate + rope     # the norm's output: q/k/v_proj's input
             + b * (nd + 2 * kd) + b * nd + 4 * cfg.num_heads  # SDPA: q, k, v, out, lse
             + 2 * b * nd)                                   # gated output, o_proj input
     # The router keeps its bf16 input (the same tensor the shared expert keeps) and fp32 probs,
     # no fp32 copy of the input (RouterLogits casts again in backward).
-    moe_dense = (norm + 4 * E
+    moe_dense = (nb["rms"] + b * H + 4 * E                 # the norm and its output
                  + (5 * b * Fs + b * H if Fs else 0))       # shared expert FFN and its gate
     # Per routed row: the grouped-GEMM input, the [2F] up/gate output (all SwiGLU keeps), its
     # product (the down GEMM's input), and the expert output the combine keeps for the routing
@@ -187,7 +211,8 @@ def activation_bytes(cfg: ModelConfig, a: Assumptions = Assumptions()) -> dict[s
     # keep_attention: what a fully recomputed attention layer keeps of the kernel (q, k, v, out,
     # lse) and the output gate's sigmoid, beside its input.
     attn_kernel = b * (nd + 2 * kd) + b * nd + 4 * cfg.num_heads + (b * nd if cfg.attn_output_gate else 0)
-    out = {"layer_input": b * H, "attn": attn, "attn_kernel": attn_kernel, "moe_dense": moe_dense,
+    out = {"layer_input": b * H, "input_norm": input_norm, "attn": attn, "attn_kernel": attn_kernel,
+           "moe_dense": moe_dense,
            "routed_saved": routed_saved, "routed_transient": routed_transient, "linear_attn": 0}
     if a.linear_core in ("chunked", "compiled") and any(cfg.layer_type(i) == "linear_attention"
                                           for i in range(cfg.num_layers)):
@@ -369,13 +394,15 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     rows = T * cfg.top_k * imbalance                       # routed rows on the busiest rank
     inflight = lay.pp if (first and lay.pp > 1) else 1     # 1F1B: stage 0 holds PP micro-batches
     routed = act["routed_saved"] * cfg.top_k * imbalance
-    norm = 8 * H + b * H
 
     def stored_none(i: int) -> float:
-        """What layer i keeps without recompute: its token mixer's saved set (a Gated DeltaNet
-        layer keeps far more than attention with our core), the MoE's dense part and rows."""
+        """What layer i keeps without recompute: its input (which its first norm keeps), its
+        token mixer's saved set (a Gated DeltaNet layer keeps far more than attention with our
+        core; linear_attn counts the first norm's output as its module's input), the MoE's dense
+        part and rows."""
         linear = cfg.layer_type(i) == "linear_attention" and act["linear_attn"]
-        return (act["linear_attn"] + norm if linear else act["attn"]) + act["moe_dense"] + routed
+        mixer = act["linear_attn"] + act["input_norm"] if linear else act["attn"]
+        return act["layer_input"] + mixer + act["moe_dense"] + routed
 
     keep = min(w.keep_last, L) if w.recompute != "none" else L
     if keep and w.recompute != "none" and lay.pp > 1:
@@ -399,7 +426,7 @@ def estimate_stage(cfg: ModelConfig, lay: Layout, w: Workload, a: Assumptions,
     else:                          # the recomputed layer's saved set plus gradient buffers
         # the largest token mixer: a Gated DeltaNet layer's chunked core keeps far more per
         # token than attention does (activation_bytes: "linear_attn")
-        mixer = max(act["attn"], act["linear_attn"])
+        mixer = max(act["attn"], act["linear_attn"] + act["input_norm"])
         side = act["moe_dense"] + (mixer if w.recompute == "full" else 0)
         working = T * (side + 2 * b * H)
     n["working"] = "recomputed layer's saved set + gradients" if w.recompute != "none" \
