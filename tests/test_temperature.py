@@ -241,3 +241,37 @@ def test_jsonl_and_parquet_rows_carry_the_temperature(tmp_path):
                    tmp_path / "r.parquet")
     for src in (JsonlSource(path, check), ParquetSource(tmp_path / "r.parquet", check)):
         assert [s.temperature for s in src.get_many([0, 1])] == [0.6, 1.0]
+
+
+def _experts_rank(rank, world, backend, d, samples):
+    """The dtypes the experts' FSDP unit receives (EP > 1 wraps it apart): tokens, weights."""
+    from longmoe.api import PolicyTrainer
+    from longmoe.model.moe import GroupedExperts
+    from longmoe.train.config import from_dict
+    seen = []
+    plain = GroupedExperts.forward
+
+    def spy(self, x, rows, w_A=None, offs=None):
+        seen.append((x.dtype, None if w_A is None else w_A.dtype))
+        return plain(self, x, rows, w_A, offs)
+
+    GroupedExperts.forward = spy
+    try:
+        PolicyTrainer(from_dict(d)).forward_backward(samples)
+    finally:
+        GroupedExperts.forward = plain
+    return seen
+
+
+def test_fsdp_hands_the_experts_fp32_combine_weights_as_one_rank_does():
+    """EP 2 x FSDP2 with bf16 parameters: the experts' unit gets the router's fp32 combine
+    weights as given (as at EP 1, where the experts are no unit of their own), not rounded to
+    bf16 by FSDP's input cast; its tokens arrive in bf16 from the block."""
+    from longmoe.paired.spawn import run_ranks
+
+    from _api_samples import make_samples, run_dict
+    d = run_dict(4, ep=2, fsdp=True)
+    d["parallel"]["param_dtype"] = "bfloat16"
+    calls = [c for seen in run_ranks(_experts_rank, 2, d, make_samples(9, 4)) for c in seen]
+    assert calls and all(w == torch.float32 for _, w in calls), calls
+    assert all(x == torch.bfloat16 for x, _ in calls), calls
