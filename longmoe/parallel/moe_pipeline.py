@@ -172,7 +172,7 @@ class ChunkPipeline:
             else:
                 esizes = [e - s for s, e in p.expert_bounds]
                 rows = [r[s:e] for r, (s, e) in zip(p.expert_rows, p.expert_bounds)]
-                offs = [o[s:e] for o, (s, e) in zip(p.offs, p.expert_bounds)]
+                offs = p.offs  # already its own experts' (routing.py)
             self._table = {"nrows": nrows, "rs": rs, "esizes": esizes, "rows": rows,
                            "offs": offs, "asizes": [a1 - a0 for a0, a1 in p.a_ranges]}
         return self._table
@@ -341,7 +341,9 @@ class _PipelinedExperts(torch.autograd.Function):
         # once at the end (in _FinishCombine); token chunks reduce each chunk into its slice.
         # (Allocated at the first combine, once that chunk's expert outputs are freed.)
         y_A = None
-        y_TH = torch.zeros_like(x_TH) if by_e else torch.empty_like(x_TH)
+        # Expert chunks leave every row to that reduction, so their partial output is zero: a
+        # broadcast scalar, never read (_FinishCombine starts from y_fill), not a zero-filled T x H.
+        y_TH = x_TH.new_zeros(()).expand_as(x_TH) if by_e else torch.empty_like(x_TH)
         # Token chunks: each chunk's output rows and combine weights (one split each)
         y_c, w_c = (None, None) if by_e else (pipe.split_tokens(y_TH), pipe.split_rows(w_TK, "a"))
         recv, d_mark, c_mark, hs = [None] * C, [None] * C, [None] * C, []
@@ -360,7 +362,8 @@ class _PipelinedExperts(torch.autograd.Function):
         for c in range(min(2, C)):
             dispatch(c)
         for c in range(C):
-            st.compute_waits(d_mark[c])
+            if not pipe.local:  # one rank dispatches nothing: no mark to wait for
+                st.compute_waits(d_mark[c])
             xg = xg_c[c]
             if not pipe.local:
                 torch.index_select(recv[c], 0, metas[c][1], out=xg)
@@ -410,7 +413,8 @@ class _PipelinedExperts(torch.autograd.Function):
         metas, tab = pipe.metas(), pipe.table()
         gx_TH = torch.empty_like(g_TH)
         gx_c = None if pipe.by_experts else pipe.split_tokens(gx_TH)  # token chunks' dX rows
-        acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp64 references stay fp64
+        # fp32 accumulation, fp64 references stay fp64 (torch.promote_types, without an op call)
+        acc = torch.float64 if g_TH.dtype == torch.float64 else torch.float32
         # Router weights' gradient rows: one rank keeps each chunk's and concatenates them once
         # at the end; otherwise they come back through the combine's all-to-all into gw_A.
         gw_A = [] if pipe.local else torch.empty(w_TK.shape, dtype=acc, device=w_TK.device)
@@ -488,7 +492,8 @@ class _PipelinedExperts(torch.autograd.Function):
             return dw
 
         for c in range(C):
-            st.compute_waits(d_mark[c])
+            if not pipe.local:  # one rank: every chunk's rows were gathered before the loop
+                st.compute_waits(d_mark[c])
             rows, offs = tab["rows"][c], tab["offs"][c]
             if now:
                 gy = recv[c] if pipe.local else recv[c].index_select(0, metas[c][1])
@@ -577,9 +582,11 @@ class _FinishCombine(torch.autograd.Function):
         st = pipe.streams
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
-        out = y_partial + y_fill
-        gather_sum_parts(y_rows, tk, w_tok, pipe.top_k, out=out[s:e], accumulate=True,
-                         impl=pipe.rows_impl)
+        # Expert chunks: y_partial is zero (every row comes back in this combine)
+        out = (y_fill.clone(memory_format=torch.contiguous_format) if pipe.by_experts
+               else y_partial + y_fill)
+        gather_sum_parts(y_rows, tk, w_tok, pipe.top_k, accumulate=True, impl=pipe.rows_impl,
+                         out=out if (s, e) == (0, out.shape[0]) else out[s:e])
         ctx.pipe = pipe
         return out
 

@@ -28,7 +28,9 @@ class RoutePlan:
     recv_SL: list[torch.Tensor]      # per chunk: [S, L] rows per (source, local expert), on device
     order_A: torch.Tensor            # assignments sorted by (chunk, expert)
     rows_CL: torch.Tensor | None = None  # [C, L] rows per (chunk, local expert), on device
-    offs: list[torch.Tensor] | None = None  # per chunk: int32 end row of each local expert (device)
+    # per chunk: int32 end row of each local expert (device); expert chunks: of its own experts
+    # (expert_bounds[c]) only, the others having no rows in it
+    offs: list[torch.Tensor] | None = None
     a_ranges: list[tuple[int, int]] | None = None  # per chunk: its rows of order_A
     # Chunks by expert: chunk c holds every token's assignments to local experts
     # expert_bounds[c] (on every rank), so each expert's rows sit in one chunk.
@@ -80,12 +82,16 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     if by == "tokens":
         bounds = chunk_bounds(T, chunks)
         C, ebounds = len(bounds), None
-        chunk_A = _chunk_of_token(T, C, idx_TK.device)[:, None]
     else:
         ebounds = chunk_bounds(L, chunks)
         C, bounds = chunks, [(0, T)] * chunks
-        chunk_A = _chunk_of_token(L, C, idx_TK.device)[idx % L]
-    key = (chunk_A * num_experts + idx).reshape(-1)
+    # Sort key (chunk, expert). One chunk: the expert alone (no per-assignment chunk ids).
+    if C == 1:
+        key = idx.reshape(-1)
+    else:
+        chunk_A = (_chunk_ids(T, C, torch.arange(T, device=idx.device))[:, None]
+                   if by == "tokens" else _chunk_ids(L, C, idx % L))
+        key = (chunk_A * num_experts + idx).reshape(-1)
     order_A = torch.argsort(key, stable=True)
     counts_CE = count_ids(key, C * num_experts).view(C, num_experts)
     if S > 1:
@@ -99,7 +105,7 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     matrix_CSD = counts_SCE.view(S, C, S, L).sum(-1).transpose(0, 1)
     # Device work that needs no host value is queued before the synchronisation: the device runs
     # it while the host waits, instead of idling after it while the host issues small kernels.
-    rows_CL = recv_SCL.sum(0)
+    rows_CL = recv_SCL[0] if S == 1 else recv_SCL.sum(0)  # one source: a view, no sum
     offs_CL = rows_CL.cumsum(1).to(torch.int32)  # grouped GEMM offsets, built without a host copy
     inv_A = inverse_permutation(order_A)
     # The one host synchronisation of the layer (the expert-index range rides along with it).
@@ -113,7 +119,7 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
     rows = host[C * S * S:]
     # Per-chunk views come from one unbind each, not an indexing op per chunk (host time).
     plan = RoutePlan(bounds, mat, [], [], [], list(recv_SCL.unbind(1)), order_A, rows_CL,
-                     list(offs_CL.unbind(0)), [], ebounds, inv_A)
+                     _own_offsets(offs_CL, ebounds), [], ebounds, inv_A)
     a0 = 0
     for c in range(C):
         plan.send.append(list(mat[c][me]))
@@ -123,6 +129,19 @@ def plan_routes(idx_TK: torch.Tensor, num_experts: int, chunks: int, group=None,
         plan.a_ranges.append((a0, a0 + n))
         a0 += n
     return plan
+
+
+def _own_offsets(offs_CL: torch.Tensor, ebounds) -> list[torch.Tensor]:
+    """Each chunk's grouped-GEMM end rows: row c of offs_CL, or for expert chunks its own
+    experts' entries. Chunks of equal expert counts B take them as one strided view (chunk c's
+    block starts at c * (L + B)), not a slice per chunk (host time)."""
+    if ebounds is None or len(ebounds) == 1:
+        return list(offs_CL.unbind(0))
+    sizes = {e - s for s, e in ebounds}
+    if len(sizes) == 1:
+        (B,), L = sizes, offs_CL.shape[1]
+        return list(offs_CL.as_strided((len(ebounds), B), (L + B, 1)).unbind(0))
+    return [o[s:e] for o, (s, e) in zip(offs_CL.unbind(0), ebounds)]
 
 
 # count_ids compares every id with every bin (one [ids, n] boolean pass and a column sum) up to
@@ -143,11 +162,13 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
         0, ids, torch.ones_like(ids, dtype=torch.int64))
 
 
-def _chunk_of_token(T: int, C: int, device) -> torch.Tensor:
-    """Chunk id of every token under chunk_bounds(T, C), computed on the device (a host list sent
-    to the device would be a stream synchronisation)."""
+def _chunk_ids(T: int, C: int, t: torch.Tensor) -> torch.Tensor:
+    """The chunk under chunk_bounds(T, C) of each position in t (positions in [0, T)), computed
+    on the device (a host list sent to the device would be a stream synchronisation). Equal
+    chunks: one division."""
     base, extra = divmod(T, C)
-    t = torch.arange(T, device=device)
+    if not extra:
+        return t // base
     head = extra * (base + 1)  # the first `extra` chunks hold base + 1 tokens
     return torch.where(t < head, t // (base + 1), extra + (t - head) // base)
 
