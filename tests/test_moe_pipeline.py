@@ -399,10 +399,13 @@ def test_one_rank_pipeline_matches_unpipelined_every_gradient(chunks, by, wgrad,
 def test_one_rank_chunk_issues_few_host_ops():
     # Host time: what each extra chunk adds to a layer step (forward and backward), counted as
     # the torch operations issued, with the CPU reference kernels (several operations each where
-    # a GPU launches one: 23.7 of the count). Measured: 31.3 per chunk with expert chunks (C = 1
-    # 349 operations, C = 4 443); 34.7 while each chunk gathered its own gradient rows and one
-    # rank split per-chunk token and routing-weight lists it never read; 48.7 when every chunk
-    # sliced its weights, offsets, row buffers and gradient rows itself.
+    # a GPU launches one: 23.7 of the count). Measured: 32.0 per chunk with expert chunks (C = 1
+    # 336 operations, C = 4 432; one chunk sorts its routes without chunk ids, so part of the
+    # difference is C = 4's fixed work); 31.3 (349, 443) before the route plan and the last
+    # combine lost their one-chunk and zero-fill work; 34.7 while each chunk gathered its own
+    # gradient rows and one rank split per-chunk token and routing-weight lists it never read;
+    # 48.7 when every chunk sliced its weights, offsets, row buffers and gradient rows itself.
+    # test_one_rank_chunk_host_work_per_chunk counts the pipeline's own work apart.
     from torch.utils._python_dispatch import TorchDispatchMode
     from longmoe.backends.streams import HostStreams
     from longmoe.config import get_preset
@@ -430,3 +433,42 @@ def test_one_rank_chunk_issues_few_host_ops():
             torch.autograd.backward([y, aux], [torch.ones_like(y), torch.ones_like(aux)])
         ops[C] = count.n
     assert (ops[4] - ops[1]) / 3 <= 33, ops
+
+
+# What a layer step issues beyond the unpipelined layer, counted as launches: each grouped GEMM,
+# weight gradient and row kernel call counts once (as a GPU launches it), every other torch
+# operation (views included) once, and the stream calls apart (longmoe/bench/host_ops.py).
+# Measured (one rank, wgrad auto; T 64, top-2, 8 experts, H 16, F 8, and the same at T 2048,
+# top-8, 64 experts, H 256, F 128): unpipelined 97; expert chunks C = 1 / 2 / 4: 118 / 147 / 167
+# with 0 / 8 / 16 stream calls beside the backward's 3 fixed ones, so 10 per chunk (its four
+# grouped GEMMs, two weight gradients, SwiGLU and its backward: the unpipelined layer's eight,
+# and its two dW slice copies) and 4 stream calls (the copies' wait, two record_streams, the
+# stream switch) over 30 fixed; the delayed schedule 120 / 144 / 156: 6 per chunk, its kernels
+# alone, over 35 fixed (the end-of-layer weight gradients' gather index and offsets). Before:
+# 131 / 156 / 178 with 11 per chunk (a slice of the offsets per chunk) and 6 stream calls (two
+# waits per chunk on dispatch marks one rank never makes); delayed 7 per chunk.
+# Per wgrad schedule: (operations, stream calls) per expert chunk, and the operations beyond the
+# unpipelined layer at C >= 2 (splits, dW buffers, route keys, the router weights' cat).
+PER_CHUNK = {"auto": (10, 4, 30), "delayed": (6, 0, 35)}
+
+
+@pytest.mark.parametrize("wgrad", ["auto", "delayed"])
+def test_one_rank_chunk_host_work_per_chunk(wgrad):
+    # A chunk issues its kernels, its dW slice copies and their stream calls, nothing else: each
+    # further chunk adds PER_CHUNK's counts, and a chunked layer stays within its fixed count of
+    # the unpipelined layer beyond that. Reintroduced per-chunk host work (a view, a small tensor, a wait) fails.
+    from longmoe.bench.host_ops import count_case, cpu_dispatcher, tiny_layer
+    moe, x, gy = tiny_layer(T=64, K=2, E=8, H=16, F=8)
+    ops, calls = {}, {}
+    for C in (0, 2, 4):
+        moe.dispatcher = cpu_dispatcher(8, C, "experts", wgrad)
+        counter, streams = count_case(moe, x, gy, fold_kernels=True)
+        ops[C], calls[C] = counter.n, sum(streams.values())
+        if C:
+            # the kernels themselves: four grouped GEMMs and SwiGLU's two per chunk
+            assert counter.ops["grouped_mm"] == 4 * C and counter.ops["swiglu"] == C, counter.ops
+    per_op, per_call, fixed = PER_CHUNK[wgrad]
+    assert ops[4] - ops[2] <= 2 * per_op, ops
+    assert calls[4] - calls[2] <= 2 * per_call, calls
+    for C in (2, 4):
+        assert ops[C] <= ops[0] + fixed + per_op * C, ops
