@@ -1,8 +1,12 @@
 """Host time of one MoE layer's fwd+bwd against its device time, per chunk count, on one GPU
-(the pipeline with local all-to-alls): when the host takes longer than the device, the GPU waits
-on Python. Prints a JSON line per case and the top host functions (cProfile) of the largest C.
+(the pipeline with local all-to-alls; chunks 0: the unpipelined layer): when the host takes
+longer than the device, the GPU waits on Python. Prints a JSON line per case, with the torch
+operations one step dispatches (`aten_ops`, views included; a Triton kernel's launch is not one)
+and the stream calls it makes (`stream_calls`: event records, waits, record_stream, stream
+switches), counted in one extra untimed step (longmoe/bench/host_ops.py), and the top host
+functions (cProfile) of the last C.
 
-    python bench/host_overhead.py --tokens 16384 --chunks 1,4,8 --out host.json
+    python bench/host_overhead.py --tokens 16384 --chunks 0,1,2,4 --out host.json
 """
 
 import argparse
@@ -32,6 +36,7 @@ def main():
     ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")
     a = ap.parse_args()
     from _one_rank import dispatcher, layer
+    from longmoe.bench.host_ops import count_case
     be, dev, cfg, moe = layer(a.fp32_matmul)
     moe.experts.rows_impl = a.rows_impl
     x = torch.randn(1, a.tokens, cfg.hidden_size, device=dev, dtype=torch.bfloat16,
@@ -57,8 +62,11 @@ def main():
                 step()
                 host.append((time.perf_counter() - t0) * 1e3)
             dev_ms.append(t.elapsed_ms)
+        ops, calls = count_case(moe, x, gy, fold_kernels=False)
+        be.synchronize()
         row = {"T": a.tokens, "chunks": C, "host_ms": statistics.median(host),
-               "wall_ms": statistics.median(dev_ms), "rows_impl": a.rows_impl,
+               "wall_ms": statistics.median(dev_ms), "aten_ops": ops.n,
+               "stream_calls": sum(calls.values()), "rows_impl": a.rows_impl,
                "wgrad": a.wgrad}
         print(json.dumps(row), flush=True)
         out.append(row)
