@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from longmoe.data.routes import check_ids
 from longmoe.data.sample import LOGPROB_FIELDS, Sample
 from longmoe.errors import UserError
 
@@ -118,25 +119,7 @@ def _check_routes(name: str, s: Sample, routes) -> None:
         raise UserError(f"{name}: routed_experts must be an integer tensor {list(want)} (prompt + "
                         f"response tokens, layers, top_k), got {getattr(t, 'dtype', type(t).__name__)}"
                         f" {tuple(getattr(t, 'shape', ()))}")
-    v = t.detach().cpu().long()
-    off = v < 0
-    bad = ((v < -1) | (v >= E)).nonzero()
-    if bad.numel():
-        i, j, k = (int(x) for x in bad[0])
-        raise UserError(f"{name}: routed_experts[{i}, {j}, {k}]: {int(v[i, j, k])} is not an "
-                        f"expert id in [0, {E}) or -1")
-    mixed = (off.any(-1) & ~off.all(-1)).nonzero()
-    if mixed.numel():
-        i, j = (int(x) for x in mixed[0])
-        raise UserError(f"{name}: routed_experts[{i}, {j}]: a token's experts are all ids or all "
-                        f"-1, got {v[i, j].tolist()}")
-    if K > 1:
-        srt = v.sort(-1).values
-        dup = ((srt[..., 1:] == srt[..., :-1]) & ~off[..., 1:]).any(-1).nonzero()
-        if dup.numel():
-            i, j = (int(x) for x in dup[0])
-            raise UserError(f"{name}: routed_experts[{i}, {j}]: {v[i, j].tolist()} repeats an "
-                            f"expert (top_k distinct experts per token)")
+    check_ids(name, t.detach().cpu().long(), E)
 
 
 def _check_mask(name: str, s: Sample, R: int) -> None:

@@ -32,19 +32,21 @@ def full_rows(source, indices: Sequence[int], seq_len: int) -> PackedBatch:
 
 
 class FittedFile:
-    """A JSONL file opened as a stream, every row checked and fitted into a row of seq_len under
-    data.overlong. Attributes: source (the JsonlSource of every row), kept (source indices of the
-    rows trained, file order), truncated (per kept row), dropped and masked (line numbers: rows
-    left out, rows with no trained token)."""
+    """A JSONL file opened as a stream, every row checked (`routes`: the model's route dims,
+    validate.check_sample) and fitted into a row of seq_len under data.overlong. Attributes:
+    source (the JsonlSource of every row), kept (source indices of the rows trained, file
+    order), truncated (per kept row), dropped and masked (line numbers: rows left out, rows
+    with no trained token)."""
 
     def __init__(self, path: str | Path, vocab_size: int, seq_len: int, overlong: str = "error",
-                 require: dict[str, str] | None = None):
+                 require: dict[str, str] | None = None,
+                 routes: tuple[int, int, int] | None = None):
         self.path, self.seq_len, self.overlong = Path(path), seq_len, overlong
         status: list[str] = []
         masked_rows: list[bool] = []
 
         def check(row: dict, where: str) -> None:
-            check_sample(row, where, vocab_size, require)
+            check_sample(row, where, vocab_size, require, routes)
             fitted, st = fit(row, seq_len, overlong, where)
             status.append(st)
             masked_rows.append(fitted is not None and trained_tokens(fitted, seq_len) == 0)

@@ -17,11 +17,13 @@ Field names are those of a JSONL object or Parquet row:
   temperature                 the rollout's sampling temperature (optional, > 0; missing means 1):
                               log-probs are those of softmax(logits / temperature), as the
                               rollout engine sampled from
-
-`routed_experts` (API and verl only; not a file field): per token of prompt + response, for each
-MoE layer, the top-k experts the rollout engine routed it to, [P + R, layers, top_k] integers,
--1 where the trainer's router decides (router replay: the trainer's forward uses these experts,
-weighted by its own router's probabilities for them).
+  routed_experts              router replay (optional): per token of prompt + response, for each
+                              MoE layer, the top-k experts the rollout engine routed it to,
+                              [P + R][layers][top_k] integers, a token's row all -1 where the
+                              trainer's router decides (the trainer's forward uses these experts,
+                              weighted by its own router's probabilities for them). A file's
+                              routes become an int16 tensor (longmoe.data.routes); the API takes
+                              any integer tensor [P + R, layers, top_k].
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from longmoe.data import routes as route_rules
+
 LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
-FIELDS = ("prompt", "response", "advantage", *LOGPROB_FIELDS, "loss_mask", "temperature")
+FIELDS = ("prompt", "response", "advantage", *LOGPROB_FIELDS, "loss_mask", "temperature",
+          "routed_experts")
 
 
 # eq=False: tensors have no single truth value, and two draws being "equal" is never what a
@@ -65,13 +70,17 @@ class Sample:
             return None if v is None else torch.as_tensor(v, dtype=torch.float32)
         adv = row["advantage"]
         mask = row.get("loss_mask")
+        routes = row.get("routed_experts")
         return cls(prompt=torch.as_tensor(row["prompt"], dtype=torch.long).reshape(-1),
                    response=torch.as_tensor(row["response"], dtype=torch.long).reshape(-1),
                    advantage=floats("advantage") if isinstance(adv, (list, tuple)) else float(adv),
                    old_logprobs=floats("old_logprobs"), ref_logprobs=floats("ref_logprobs"),
                    rollout_logprobs=floats("rollout_logprobs"),
                    loss_mask=None if mask is None else torch.as_tensor(mask).to(torch.bool),
-                   temperature=float(row.get("temperature", 1.0)), index=index, where=where)
+                   temperature=float(row.get("temperature", 1.0)),
+                   routed_experts=None if routes is None else route_rules.to_tensor(
+                       route_rules.as_array(routes, where)),
+                   index=index, where=where)
 
     def truncated(self, length: int) -> "Sample":
         """The first `length` tokens: the prompt whole and a prefix of the response (every

@@ -26,6 +26,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from longmoe.data import routes
 from longmoe.data.sample import FIELDS, Sample
 from longmoe.data.validate import json_row
 from longmoe.errors import UserError
@@ -174,8 +175,8 @@ class ParquetSource(_Indexed):
             for g in range(len(self._groups)):
                 group = self._read_group(g)
                 for batch in group.to_batches(max_chunksize=self.SCAN_ROWS):
-                    for row in batch.to_pylist():
-                        where, row = self.where(i), _drop_nulls(row)
+                    for row in _rows(batch, i, self.where):
+                        where = self.where(i)
                         p, r = _sizes(row, where)
                         check(row, where)
                         plen.append(p), rlen.append(r)
@@ -207,9 +208,26 @@ class ParquetSource(_Indexed):
         out: dict[int, Sample] = {}
         for i in sorted(set(indices)):      # each row group loaded once
             g = int(np.searchsorted(self.group_starts, i, side="right")) - 1
-            row = self._group(g).slice(i - int(self.group_starts[g]), 1).to_pylist()[0]
-            out[i] = self._sample(_drop_nulls(row), i)
+            row = _rows(self._group(g).slice(i - int(self.group_starts[g]), 1), i, self.where)[0]
+            out[i] = self._sample(row, i)
         return [out[i] for i in indices]
+
+
+def _rows(table, first: int, where) -> list[dict]:
+    """The rows of an Arrow table or batch (source rows first, first + 1, ...) as dicts without
+    their nulls; routed_experts as integer arrays flattened by Arrow (routes.arrow_row): a long
+    sample's routes are millions of ids, too many to become Python objects."""
+    if routes.FIELD not in table.schema.names:
+        return [_drop_nulls(row) for row in table.to_pylist()]
+    col = table.column(routes.FIELD)
+    if hasattr(col, "combine_chunks"):      # a Table's column is chunked
+        col = col.combine_chunks()
+    rows = [_drop_nulls(row) for row in table.drop_columns([routes.FIELD]).to_pylist()]
+    for j, row in enumerate(rows):
+        got = routes.arrow_row(col, j, where(first + j))
+        if got is not None:
+            row[routes.FIELD] = got
+    return rows
 
 
 def _drop_nulls(row: dict) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+from longmoe.data import routes as route_rules
 from longmoe.errors import UserError
 
 # Per response token, optional: the trainer's policy at rollout time, the reference policy (KL
@@ -61,19 +62,22 @@ def json_row(line, where: str, checks=()) -> object:
 
 
 def parse_sample(line: str, where: str, vocab_size: int,
-                 require: dict[str, str] | None = None) -> dict:
+                 require: dict[str, str] | None = None,
+                 routes: tuple[int, int, int] | None = None) -> dict:
     """The row of one JSONL line, checked field by field."""
     def checked(row):
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected an object")
-        check_sample(row, where, vocab_size, require)
+        check_sample(row, where, vocab_size, require, routes)
     return json_row(line, where, (checked,))
 
 
 def check_sample(row: dict, where: str, vocab_size: int,
-                 require: dict[str, str] | None = None) -> None:
+                 require: dict[str, str] | None = None,
+                 routes: tuple[int, int, int] | None = None) -> None:
     """`require`: log-prob fields the loss needs (field -> why); a row without one is an error,
-    never a silent zero term."""
+    never a silent zero term. `routes`: the model's (MoE layers, top_k, experts) a row's
+    routed_experts must fit (longmoe.data.routes); None: a row with routes is refused."""
     require = require or {}
     for key in ("prompt", "response", "advantage"):
         if key not in row:
@@ -117,6 +121,8 @@ def check_sample(row: dict, where: str, vocab_size: int,
         if not _is_number(t) or not math.isfinite(t) or not 0 < t <= F32_MAX:
             raise UserError(f"{where}: temperature: {t!r} is not a positive finite number (the "
                             f"rollout's sampling temperature)")
+    if row.get(route_rules.FIELD) is not None:
+        route_rules.check_row(row[route_rules.FIELD], where, len(row["prompt"]) + n, routes)
     for i, v in enumerate(_per_token(row, "loss_mask", n, where) or []):
         # true/false, 0/1 or 0.0/1.0: a Parquet bool column, numpy floats, JSON integers
         if not isinstance(v, (bool, int, float)) or v not in (0, 1):
@@ -143,6 +149,8 @@ def fit(row: dict, seq_len: int, policy: str, where: str) -> tuple[dict | None, 
     for key in ("response", "advantage", *LOGPROB_FIELDS, "loss_mask"):
         if isinstance(row.get(key), list):
             cut[key] = row[key][:keep]
+    if row.get(route_rules.FIELD) is not None:     # per token of prompt + response
+        cut[route_rules.FIELD] = row[route_rules.FIELD][:seq_len + 1]
     return cut, "truncated"
 
 

@@ -84,20 +84,27 @@ def min_row(run: RunConfig) -> int:
     return 1
 
 
+def route_dims(run: RunConfig) -> tuple[int, int, int] | None:
+    """(MoE layers, top_k, experts): the shape a file row's routed_experts must fit (router
+    replay; every layer of the model is a MoE layer), None where the model has none."""
+    m = run.model
+    return (m.num_layers, m.top_k, m.num_experts) if m.num_experts else None
+
+
 def open_data_source(run: RunConfig):
     """The run's longmoe.data source (opening a file reads and checks every row once, naming the
     first bad one): for the rows way a FittedFile (JSONL) or the full-row synthetic draw."""
     d, V = run.data, run.model.vocab_size
-    need = run.loss.required_logprobs()
+    need, dims = run.loss.required_logprobs(), route_dims(run)
     if mode(run) == "rows":
         if d.source == "jsonl":
-            return FittedFile(d.path, V, d.seq_len, d.overlong, need)
+            return FittedFile(d.path, V, d.seq_len, d.overlong, need, dims)
         return RuleSource(V, run.train.seed, d.prompt_len, None, d.group_size,
                           full_rows=(d.seq_len, d.batch_size))
     if d.source == "synthetic":
         resp = d.response_len if d.response_len is not None else d.seq_len - d.prompt_len
         return RuleSource(V, run.train.seed, d.prompt_len, resp, d.group_size, d.num_samples)
-    check = lambda row, where: check_sample(row, where, V, need)  # noqa: E731
+    check = lambda row, where: check_sample(row, where, V, need, dims)  # noqa: E731
     return (JsonlSource if d.source == "jsonl" else ParquetSource)(d.path, check)
 
 
