@@ -456,7 +456,8 @@ PER_CHUNK = {"auto": (10, 4, 30), "delayed": (6, 0, 35)}
 def test_one_rank_chunk_host_work_per_chunk(wgrad):
     # A chunk issues its kernels, its dW slice copies and their stream calls, nothing else: each
     # further chunk adds PER_CHUNK's counts, and a chunked layer stays within its fixed count of
-    # the unpipelined layer beyond that. Reintroduced per-chunk host work (a view, a small tensor, a wait) fails.
+    # the unpipelined layer beyond that. Per-chunk host work brought back (a view, a small
+    # tensor, a wait) fails it.
     from longmoe.bench.host_ops import count_case, cpu_dispatcher, tiny_layer
     moe, x, gy = tiny_layer(T=64, K=2, E=8, H=16, F=8)
     ops, calls = {}, {}

@@ -51,12 +51,12 @@ gradient's slice copy (below) runs on the idle comm stream, issued before the ch
 so that it runs beside it (the last chunk's copies then end under the layer's own work, not
 after it).
 
-Host time: a chunk issues its kernels and little else. The per-chunk views (weights, offsets,
-row buffers, routing weights) come from one split per tensor and layer, the grouped-GEMM,
-weight-gradient and row-kernel implementations are chosen once per layer, and one rank
-concatenates the router weights' gradient rows once instead of copying each chunk's. At 16K
-tokens an H200 runs each chunk's GEMMs in 0.1-0.3 ms, so a layer with several chunks runs near
-the host's pace (docs/primitives/chunked_ep.md).
+Host time: per-chunk views come from one split (or view) per tensor and layer, implementations
+are chosen once per layer, one rank concatenates the router weights' gradient rows once and
+waits on no dispatch marks: an expert chunk with in-chunk weight gradients adds 10 operations
+(the unpipelined layer's 8 kernels and 2 dW slice copies) and 4 stream calls (pinned by
+tests/test_moe_pipeline.py). At 16K tokens an H200 runs each chunk's GEMMs in 0.1-0.3 ms, so a
+layer with several chunks runs near the host's pace (docs/primitives/chunked_ep.md).
 
 Everything the backward keeps goes through save_for_backward, so full recompute (non-reentrant
 checkpoint) drops it and rebuilds it by rerunning this same pipelined forward.
@@ -339,10 +339,9 @@ class _PipelinedExperts(torch.autograd.Function):
         by_e = pipe.by_experts
         # Expert chunks return each token's rows over several chunks: one buffer for all, reduced
         # once at the end (in _FinishCombine); token chunks reduce each chunk into its slice.
-        # (Allocated at the first combine, once that chunk's expert outputs are freed.)
+        # (Allocated at the first combine, once that chunk's expert outputs are freed.) Their
+        # partial output is zero: a broadcast scalar, never read (not a zero-filled T x H).
         y_A = None
-        # Expert chunks leave every row to that reduction, so their partial output is zero: a
-        # broadcast scalar, never read (_FinishCombine starts from y_fill), not a zero-filled T x H.
         y_TH = x_TH.new_zeros(()).expand_as(x_TH) if by_e else torch.empty_like(x_TH)
         # Token chunks: each chunk's output rows and combine weights (one split each)
         y_c, w_c = (None, None) if by_e else (pipe.split_tokens(y_TH), pipe.split_rows(w_TK, "a"))
@@ -413,8 +412,7 @@ class _PipelinedExperts(torch.autograd.Function):
         metas, tab = pipe.metas(), pipe.table()
         gx_TH = torch.empty_like(g_TH)
         gx_c = None if pipe.by_experts else pipe.split_tokens(gx_TH)  # token chunks' dX rows
-        # fp32 accumulation, fp64 references stay fp64 (torch.promote_types, without an op call)
-        acc = torch.float64 if g_TH.dtype == torch.float64 else torch.float32
+        acc = torch.float64 if g_TH.dtype == torch.float64 else torch.float32  # fp64 stays fp64
         # Router weights' gradient rows: one rank keeps each chunk's and concatenates them once
         # at the end; otherwise they come back through the combine's all-to-all into gw_A.
         gw_A = [] if pipe.local else torch.empty(w_TK.shape, dtype=acc, device=w_TK.device)
