@@ -40,9 +40,14 @@ def check_ids(name: str, v: torch.Tensor, experts: int) -> None:
         i, j = (int(x) for x in mixed[0])
         raise UserError(f"{name}: {FIELD}[{i}, {j}]: a token's experts are all ids or all "
                         f"-1, got {v[i, j].tolist()}")
-    if v.shape[-1] > 1:
-        srt = v.sort(-1).values
-        dup = ((srt[..., 1:] == srt[..., :-1]) & ~off[..., 1:]).any(-1).nonzero()
+    K = v.shape[-1]
+    if K > 1:
+        # pairwise: a sort's int64 indices would be 4x an int16 route tensor
+        dup = torch.zeros(v.shape[:-1], dtype=torch.bool)
+        for a in range(K):
+            for b in range(a + 1, K):
+                dup |= v[..., a] == v[..., b]
+        dup = (dup & ~off[..., 0]).nonzero()
         if dup.numel():
             i, j = (int(x) for x in dup[0])
             raise UserError(f"{name}: {FIELD}[{i}, {j}]: {v[i, j].tolist()} repeats an "
