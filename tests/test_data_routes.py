@@ -252,3 +252,54 @@ def test_parquet_routes_are_not_python_objects(tmp_path, monkeypatch):
     assert s.routed_experts.dtype == torch.int16
     assert torch.equal(s.routed_experts, torch.from_numpy(ids))
     assert seen and all("routed_experts" not in keys for keys in seen), seen
+
+
+def _cli(cwd, *extra, nproc=1):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "LONGMOE_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "longmoe", "train", "--config", "cpu_demo", "--nproc",
+           str(nproc), "--set", "data.source=jsonl", "--set", "data.path=d.jsonl",
+           "--set", "data.batch_size=4", "--steps", "1", *extra]
+    if nproc == 1:
+        cmd += ["--set", "parallel.ep=1"]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_longmoe_train_refuses_a_file_with_routes_of_another_model(tmp_path):
+    """Routes for 3 MoE layers on the 2-layer demo model: one line naming line 2 and the field,
+    before any rank starts."""
+    rows = [_row(s) for s in _samples(4)]
+    rows[1]["routed_experts"] = [r + [r[0]] for r in rows[1]["routed_experts"]]
+    _write_jsonl(tmp_path / "d.jsonl", rows)
+    p = _cli(tmp_path)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "d.jsonl:2: routed_experts: shape [" in lines[0], p.stderr
+    assert ", 3, 2] is not [" in lines[0] and "rank(s) on" not in p.stdout, lines[0]
+
+
+@pytest.mark.slow
+def test_longmoe_train_on_two_ranks_replays_file_routes(tmp_path):
+    """`longmoe train` itself (the demo's EP 2 x FSDP2 on 2 gloo ranks, full rows of seq_len):
+    step 1's loss on a file with routes is forward_backward's on the samples with those routes in
+    one process, and differs from the loss on the file without them."""
+    from longmoe.api import PolicyTrainer
+    samples = _samples(4)
+    losses = {}
+    for name, keep in (("routes", True), ("plain", False)):
+        d = tmp_path / name
+        d.mkdir()
+        _write_jsonl(d / "d.jsonl", [_row(s, routes=keep) for s in samples])
+        p = _cli(d, "--metrics-out", "m.jsonl", nproc=2)
+        assert p.returncode == 0, p.stderr[-3000:]
+        losses[name] = json.loads((d / "m.jsonl").read_text().splitlines()[0])["loss"]
+    pt = PolicyTrainer.from_config("cpu_demo", ["parallel.ep=1", "parallel.fsdp=false",
+                                                "train.nproc=1", "train.device=cpu"])
+    want = pt.forward_backward(samples)["loss"]
+    want_plain = pt.forward_backward(
+        [dataclasses.replace(s, routed_experts=None) for s in samples])["loss"]
+    assert losses["routes"] == pytest.approx(want, rel=1e-4, abs=1e-6), (losses, want)
+    assert losses["plain"] == pytest.approx(want_plain, rel=1e-4, abs=1e-6), (losses, want_plain)
+    assert abs(losses["routes"] - losses["plain"]) > 1e-3 * max(1.0, abs(want_plain))
