@@ -178,15 +178,15 @@ class ChunkPipeline:
         return self._table
 
     def split_rows(self, t: torch.Tensor, by: str = "recv"):
-        """t's rows per chunk (views, one split): chunk-major row buffers (`recv`, the rows each
-        chunk's experts receive) or tensors in sorted-assignment order (`a`)."""
+        """t's rows per chunk (views, one split_with_sizes, without Tensor.split's Python wrapper):
+        chunk-major buffers (`recv`, each chunk's experts' rows) or sorted assignments (`a`)."""
         sizes = self.table()["nrows" if by == "recv" else "asizes"]
-        return (t,) if len(sizes) == 1 else t.split(sizes)
+        return (t,) if len(sizes) == 1 else t.split_with_sizes(sizes)
 
     def split_experts(self, w: torch.Tensor):
         """w's local-expert slice for each chunk (views: one split, not a slice per chunk)."""
         es = self.table()["esizes"]
-        return (w,) * len(self.plan.bounds) if es is None or len(es) == 1 else w.split(es)
+        return (w,) * len(self.plan.bounds) if not es or len(es) == 1 else w.split_with_sizes(es)
 
     def metas(self):
         """Per chunk: (token of each sent row, received->expert-major gather, its inverse, and
@@ -229,7 +229,7 @@ class ChunkPipeline:
     def split_tokens(self, t: torch.Tensor):
         """t's rows per token chunk (token order; views from one split)."""
         b = self.plan.bounds
-        return (t,) if len(b) == 1 else t.split([e - s for s, e in b])
+        return (t,) if len(b) == 1 else t.split_with_sizes([e - s for s, e in b])
 
     def copy_beside(self, pairs, mark: bool = True):
         """out <- inp for each (out, inp), in one go on the comm stream, beside the compute
@@ -419,7 +419,7 @@ class _PipelinedExperts(torch.autograd.Function):
         gw_A_c = None if pipe.local else pipe.split_rows(gw_A, by="a")
         w_in_t, w_out_t = pipe.split_experts(w_in.transpose(1, 2)), \
             pipe.split_experts(w_out.transpose(1, 2))
-        xg_c = pipe.split_rows(xg_all)
+        xg_c = pipe.split_rows(xg_all) if pipe.wgrad_in_chunks() else None  # dW_in's, per chunk
         recv, d_mark, g_all = started[1:] if started else ([None] * C, [None] * C, None)
         if not started:
             g_all = pipe.dispatch_grads(g_TH, metas, recv, d_mark)
