@@ -92,43 +92,96 @@ def _fold_rows(cls):
     return type("FoldedRows", (), {n: wrap(n) for n in names})
 
 
+class _StubGroupedMM(torch.autograd.Function):
+    """A grouped GEMM's shape and nothing else: one allocation forward, two backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, sizes, offs, ref):
+        ctx.shapes = x.shape, w.shape
+        return x.new_zeros((x.shape[0], w.shape[2]))
+
+    @staticmethod
+    def backward(ctx, g):
+        xs, ws = ctx.shapes
+        return g.new_zeros(xs), g.new_zeros(ws), None, None, None
+
+
+class _StubRows:
+    """The row kernels' outputs, allocated (or zeroed in place) without the work: one op each,
+    standing for a GPU launch."""
+
+    @staticmethod
+    def gather_sum(src, idx, w, K, out, accumulate):
+        return out.zero_()
+
+    @staticmethod
+    def gather_sum_parts(parts, idx, w, K, out, accumulate):
+        return out.zero_()
+
+    @staticmethod
+    def gather_scale(src, idx, w, y):
+        dot = None if y is None else src.new_zeros(idx.numel(), dtype=torch.float32)
+        return src.new_zeros((idx.numel(), src.shape[1])), dot
+
+    @staticmethod
+    def swiglu(h):
+        return h.new_zeros((h.shape[0], h.shape[1] // 2))
+
+    @staticmethod
+    def swiglu_backward(h, ga, out, with_dot):
+        gh, a = out if out is not None else (torch.zeros_like(h), h.new_zeros(ga.shape))
+        return gh, a, (h.new_zeros(h.shape[0], dtype=torch.float32) if with_dot else None)
+
+
+@contextlib.contextmanager
+def kernels(mode: str):
+    """Within the block the reference grouped GEMM (forward, autograd backward, weight
+    gradient) and row kernels are "fold": counted as one op per call by an active OpCounter,
+    computing as before; or "stub": one allocation per call, nothing computed (host time with
+    kernels as cheap to issue as a GPU launch; the results are meaningless)."""
+    import importlib
+    gm = importlib.import_module("longmoe.ops.grouped_mm")  # the modules, not their functions
+    mr = importlib.import_module("longmoe.ops.moe_rows")
+    ref_mm, ref_rows = gm.GROUPED_MM._impls["reference"], mr.MOE_ROWS._impls["reference"]
+    ref_wgrad, ref_cls = gm._WGRAD["reference"], mr.TorchRows
+    fn = _FoldedGroupedMM if mode == "fold" else _StubGroupedMM
+
+    def mm(x, w, sizes, offs=None):
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return fn.apply(x, w, sizes, offs, ref_mm.fn)
+        if mode == "stub":
+            return x.new_zeros((x.shape[0], w.shape[2]))
+        with _in_kernel("grouped_mm"):
+            return ref_mm.fn(x, w, sizes, offs)
+
+    def wgrad(x, dy, sizes, offs=None):
+        if mode == "stub":
+            return x.new_zeros((len(sizes), x.shape[1], dy.shape[1]))
+        with _in_kernel("grouped_mm_wgrad"):
+            return ref_wgrad(x, dy, sizes, offs)
+    rows = _fold_rows(ref_cls) if mode == "fold" else _StubRows
+    gm.GROUPED_MM._impls["reference"] = dataclasses.replace(ref_mm, fn=mm)
+    mr.MOE_ROWS._impls["reference"] = dataclasses.replace(ref_rows, fn=rows)
+    mr.TorchRows = rows  # the row functions' fallback for non-row-major tensors
+    gm._WGRAD["reference"] = wgrad
+    try:
+        yield
+    finally:
+        gm.GROUPED_MM._impls["reference"], mr.MOE_ROWS._impls["reference"] = ref_mm, ref_rows
+        gm._WGRAD["reference"], mr.TorchRows = ref_wgrad, ref_cls
+
+
 @contextlib.contextmanager
 def count_ops(fold_kernels: bool = False):
     """An OpCounter over the block; with fold_kernels the reference grouped GEMM (forward,
     autograd backward and weight gradient) and row kernels count one op per call."""
-    import importlib
-    gm = importlib.import_module("longmoe.ops.grouped_mm")  # the modules, not their functions
-    mr = importlib.import_module("longmoe.ops.moe_rows")
     counter = OpCounter()
-    saved = None
-    if fold_kernels:
-        ref_mm, ref_rows = gm.GROUPED_MM._impls["reference"], mr.MOE_ROWS._impls["reference"]
-        ref_wgrad = gm._WGRAD["reference"]
-
-        def mm(x, w, sizes, offs=None):
-            if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-                return _FoldedGroupedMM.apply(x, w, sizes, offs, ref_mm.fn)
-            with _in_kernel("grouped_mm"):
-                return ref_mm.fn(x, w, sizes, offs)
-
-        def wgrad(*a, **k):
-            with _in_kernel("grouped_mm_wgrad"):
-                return ref_wgrad(*a, **k)
-        saved = (ref_mm, ref_rows, ref_wgrad, mr.TorchRows)
-        gm.GROUPED_MM._impls["reference"] = dataclasses.replace(ref_mm, fn=mm)
-        folded = _fold_rows(mr.TorchRows)
-        mr.MOE_ROWS._impls["reference"] = dataclasses.replace(ref_rows, fn=folded)
-        mr.TorchRows = folded  # the row functions' fallback for non-row-major tensors
-        gm._WGRAD["reference"] = wgrad
     _ACTIVE.append(counter)
     try:
-        with counter:
+        with kernels("fold") if fold_kernels else contextlib.nullcontext(), counter:
             yield counter
     finally:
         _ACTIVE.pop()
-        if saved:
-            gm.GROUPED_MM._impls["reference"], mr.MOE_ROWS._impls["reference"] = saved[:2]
-            gm._WGRAD["reference"], mr.TorchRows = saved[2], saved[3]
 
 
 class StreamCalls:
@@ -205,10 +258,22 @@ def count_case(moe, x, gy, fold_kernels: bool):
     return c, calls
 
 
+def best_host_us(moe, x, gy, iters: int) -> int:
+    """The fastest of `iters` layer steps (after 3 untimed), in microseconds."""
+    import time
+    for _ in range(3):
+        layer_step(moe, x, gy)
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        layer_step(moe, x, gy)
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e6)
+
+
 def main():
     import argparse
     import json
-    import time
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", default="0,1,2,4", help="0: the unpipelined layer")
     ap.add_argument("--by", default="experts")
@@ -229,16 +294,13 @@ def main():
         raw, _ = count_case(moe, x, gy, False)
         folded, calls = count_case(moe, x, gy, True)
         tmoe.dispatcher = cpu_dispatcher(tE, C, a.by, a.wgrad)
-        for _ in range(3):
-            layer_step(tmoe, tx, tgy)
-        best = float("inf")
-        for _ in range(a.iters):
-            t0 = time.perf_counter()
-            layer_step(tmoe, tx, tgy)
-            best = min(best, time.perf_counter() - t0)
+        best = best_host_us(tmoe, tx, tgy, a.iters)
+        with kernels("stub"):
+            stub = best_host_us(tmoe, tx, tgy, a.iters)
         print(json.dumps({"chunks": C, "aten_ops": raw.n, "ops_kernels_folded": folded.n,
-                          "stream_calls": sum(calls.values()), "host_us_best": round(best * 1e6),
-                          "time_shape": a.time_shape, "shape": a.shape}), flush=True)
+                          "stream_calls": sum(calls.values()), "host_us_best": best,
+                          "host_us_stub_kernels": stub, "time_shape": a.time_shape,
+                          "shape": a.shape}), flush=True)
         if a.top:
             print("  ", dict(folded.ops.most_common(a.top)), dict(calls))
 
