@@ -360,6 +360,7 @@ def _one_rank_layer(route: str):
 
 @pytest.mark.parametrize("chunks,by,wgrad,route", [
     (1, "experts", "auto", "spread"), (2, "experts", "auto", "spread"),
+    (3, "experts", "auto", "spread"),  # unequal expert chunks (3, 3, 2): offsets sliced apart
     (4, "experts", "auto", "spread"), (4, "experts", "delayed", "spread"),
     (3, "tokens", "auto", "spread"), (4, "experts", "auto", "underflow")])
 def test_one_rank_pipeline_matches_unpipelined_every_gradient(chunks, by, wgrad, route):
