@@ -1,14 +1,16 @@
-"""What the host issues for one MoE layer step (forward and backward), counted, not timed: the
-torch operations dispatched (a TorchDispatchMode sees every ATen op, views included) and, with
-`fold_kernels`, the same count with each call of a row kernel or grouped GEMM counted once.
+"""What the host issues for one MoE layer step (forward and backward): the torch operations
+dispatched (a TorchDispatchMode sees every ATen op, views included) and, with `fold_kernels`,
+the same count with each call of a row kernel or grouped GEMM counted once; and the CPU host
+time of a step with tiny tensors, the kernels computing or stubbed (`kernels("stub")`).
 
 The CPU reference kernels are several operations each (a grouped GEMM is a matmul per expert
 and a cat) where a GPU launches one kernel, so the raw count on CPU mostly measures the
 references; the folded count is the host's own work on a GPU (every ATen op outside a kernel
 is a launch or a view, each kernel one launch). Stream calls (events, waits) are counted apart
-(`StreamCalls`): on a CPU they are no-ops, on a GPU each is a host call.
+(`StreamCalls`): on a CPU they are no-ops, on a GPU each is a host call. Folding and stubbing
+swap the reference implementations in longmoe's own registries for the block and put them back.
 
-    python -m longmoe.bench.host_ops            # CPU: counts and host ms per case
+    python -m longmoe.bench.host_ops    # CPU: counts and host µs per chunk count (0: unpipelined)
 """
 
 from __future__ import annotations
@@ -281,12 +283,12 @@ def main():
     import json
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", default="0,1,2,4", help="0: the unpipelined layer")
-    ap.add_argument("--by", default="experts")
-    ap.add_argument("--wgrad", default="auto")
+    ap.add_argument("--by", default="experts", help="chunks of experts or of tokens")
+    ap.add_argument("--wgrad", default="auto", help="the weight-gradient schedule")
     ap.add_argument("--shape", default="2048,8,64,256,128", help="T,K,E,H,F for the counts")
-    ap.add_argument("--time-shape", default="64,8,64,16,8",
-                    help="T,K,E,H,F for the host ms (tiny: kernel time negligible)")
-    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--time-shape", default="64,2,8,16,8",
+                    help="T,K,E,H,F for the host time (tiny: kernel time negligible)")
+    ap.add_argument("--iters", type=int, default=30, help="timed steps per case (the best)")
     ap.add_argument("--top", type=int, default=0, help="print the N most frequent ops per case")
     a = ap.parse_args()
     torch.set_num_threads(1)
