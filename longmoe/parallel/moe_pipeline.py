@@ -580,9 +580,9 @@ class _FinishCombine(torch.autograd.Function):
         st = pipe.streams
         st.compute_waits(mark)
         st.pending.remove(mark) if mark in st.pending else None
-        # Expert chunks: y_partial is zero (every row comes back in this combine)
-        out = (y_fill.clone(memory_format=torch.contiguous_format) if pipe.by_experts
-               else y_partial + y_fill)
+        # Expert chunks: y_partial is zero (every row comes back in this combine), so y_fill as is
+        out = (y_fill.clone(memory_format=torch.contiguous_format) if pipe.by_experts and
+               y_fill.dtype == y_partial.dtype else y_partial + y_fill)
         gather_sum_parts(y_rows, tk, w_tok, pipe.top_k, accumulate=True, impl=pipe.rows_impl,
                          out=out if (s, e) == (0, out.shape[0]) else out[s:e])
         ctx.pipe = pipe
