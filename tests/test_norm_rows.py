@@ -312,8 +312,12 @@ def test_gpu_bf16_at_qwen35_widths(case):
     seed = random.randrange(2**31)
     r = _case(*case, seed=seed, device="cuda")
     for name in (n for n in ("y", "dx", "dgate", "dw") if f"{n}_eager" in r):
-        assert r[f"{name}_eager"] < TOL_EAGER[r[f"{name}_dtype"]], (seed, name, r)
-        assert r[f"{name}_exact"] < max(2 * r[f"{name}_eager_exact"], 1e-2), (seed, name, r)
+        # as on CPU: a tensor stored in fp32 but computed from bf16 roundings (the gated norm's
+        # fp32 input is rounded to the compute dtype first) is as close as bf16 allows
+        dt = _coarser(r[f"{name}_dtype"], case[3])
+        assert r[f"{name}_eager"] < TOL_EAGER[dt], (seed, name, r)
+        assert r[f"{name}_exact"] < max(2 * r[f"{name}_eager_exact"], TOL_EXACT[dt]), \
+            (seed, name, r)
 
 
 @pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx950"])
