@@ -42,7 +42,7 @@ from longmoe.model.flops import balance_crossover
 from longmoe.parallel.mesh import build_layout, validate_layout
 from longmoe.rl.logprobs import compute_logprobs as forward_logprobs
 from longmoe.train.config import RunConfig, load_run_config
-from longmoe.train.feed import StepData, check_budget_settings
+from longmoe.train.feed import StepData, check_budget_settings, route_dims
 from longmoe.train.optim import LocalShardAdamW
 from longmoe.train.precision import MasterWeights, store_parameters_as
 from longmoe.train.setup import (all_finite, build_model, clip_grad_norm, finish_grads,
@@ -196,10 +196,9 @@ class PolicyTrainer:
                          self.crossover, what)
 
     @property
-    def _route_dims(self) -> tuple[int, int, int]:
+    def _route_dims(self) -> tuple[int, int, int] | None:
         """(layers, top_k, experts): the shape a sample's routed_experts must fit."""
-        m = self.run.model
-        return m.num_layers, m.top_k, m.num_experts
+        return route_dims(self.run)
 
     def _checked(self, samples, what: str, call: str, signal: bool, extra=(), after=()):
         """Host checks and the call's plan, then the agreement collective (checks.agree): the

@@ -40,18 +40,23 @@ def check_ids(name: str, v: torch.Tensor, experts: int) -> None:
         i, j = (int(x) for x in mixed[0])
         raise UserError(f"{name}: {FIELD}[{i}, {j}]: a token's experts are all ids or all "
                         f"-1, got {v[i, j].tolist()}")
+    dup = repeats_expert(v).nonzero()
+    if dup.numel():
+        i, j = (int(x) for x in dup[0])
+        raise UserError(f"{name}: {FIELD}[{i}, {j}]: {v[i, j].tolist()} repeats an "
+                        f"expert (top_k distinct experts per token)")
+
+
+def repeats_expert(v: torch.Tensor) -> torch.Tensor:
+    """[..., top_k] ids -> [...] bool: the row names some expert twice (-1 rows excluded).
+    Pairwise, top_k^2 / 2 compares: cheaper on the host than a sort, whose int64 indices would
+    be 4x an int16 route tensor."""
     K = v.shape[-1]
-    if K > 1:
-        # pairwise: a sort's int64 indices would be 4x an int16 route tensor
-        dup = torch.zeros(v.shape[:-1], dtype=torch.bool)
-        for a in range(K):
-            for b in range(a + 1, K):
-                dup |= v[..., a] == v[..., b]
-        dup = (dup & ~off[..., 0]).nonzero()
-        if dup.numel():
-            i, j = (int(x) for x in dup[0])
-            raise UserError(f"{name}: {FIELD}[{i}, {j}]: {v[i, j].tolist()} repeats an "
-                            f"expert (top_k distinct experts per token)")
+    out = torch.zeros(v.shape[:-1], dtype=torch.bool)
+    for i in range(K):
+        for j in range(i + 1, K):
+            out |= v[..., i] == v[..., j]
+    return out & (v[..., 0] >= 0)
 
 
 def as_array(value, where: str) -> np.ndarray:

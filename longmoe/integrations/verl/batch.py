@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from longmoe.data.routes import repeats_expert
 from longmoe.data.sample import Sample
 from longmoe.errors import UserError
 
@@ -109,17 +110,6 @@ def _given_routes(micro_batch) -> torch.Tensor | None:
         return None
     r = micro_batch["routed_experts"]
     return (r.values() if getattr(r, "is_nested", False) else r).detach().cpu()
-
-
-def repeats_expert(v: torch.Tensor) -> torch.Tensor:
-    """[..., top_k] ids -> [...] bool: the row names some expert twice (-1 rows excluded).
-    Pairwise: top_k^2 / 2 compares, cheaper on the host than a sort for top_k <= 16."""
-    K = v.shape[-1]
-    out = torch.zeros(v.shape[:-1], dtype=torch.bool)
-    for i in range(K):
-        for j in range(i + 1, K):
-            out |= v[..., i] == v[..., j]
-    return out & (v[..., 0] >= 0)
 
 
 def check_routes(data, layers: int, top_k: int, experts: int) -> None:
