@@ -190,6 +190,8 @@ def test_bad_routes_in_row_k_are_refused_naming_row_k(tmp_path, case):
     ([[1, 2], [3, 4]], r"got 2-D values"),
     ([[[1.0, 2.0]], [[3.0, 4.0]]], r"got float64 values"),
     ("1,2", r"got str"),
+    ([[[1, True]], [[3, 4]]], r"holds true/false"),         # numpy alone reads it as 1
+    ([[[False, 2]], [[3, 4]]], r"holds true/false"),
 ])
 def test_malformed_routes_are_refused_by_name(value, match):
     row = {"prompt": [1], "response": [2], "advantage": 0.0, "routed_experts": value}

@@ -14,6 +14,8 @@ before the cast. Conversion is vectorised: a 32K-token sample at 40 layers x top
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -74,6 +76,10 @@ def as_array(value, where: str) -> np.ndarray:
     if a.ndim != 3 or a.dtype.kind not in "iu":
         got = f"{a.ndim}-D" if a.ndim != 3 else a.dtype.name
         raise UserError(f"{where}: {FIELD} must be {SHAPE}, got {got} values")
+    if isinstance(value, list) and a.size and bool in set(
+            map(type, chain.from_iterable(chain.from_iterable(value)))):
+        # numpy reads a true/false among integers as 1/0: refused, not replayed as an expert id
+        raise UserError(f"{where}: {FIELD} holds true/false; expert ids must be integers")
     return a
 
 
