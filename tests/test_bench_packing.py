@@ -112,3 +112,27 @@ def test_bench_packing_reports_the_first_step_apart():
     table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
                             "row_multiple": 1, "steps": 3, "arms": arms, "ratios": r})
     assert "| packed | 8 | 10 | 4.00 | 9.00 (2.25x) |" in table
+
+
+def test_bench_packing_records_the_compile_caches_it_starts_from(tmp_path, monkeypatch):
+    # A first step is "from cold" only with empty caches: the report says which directories the
+    # arms share and how full they were, and the table says so too.
+    from longmoe.bench.packing import compile_caches, markdown_table
+    tri, ind = tmp_path / "triton", tmp_path / "inductor"
+    tri.mkdir()
+    (tri / "abc").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tri))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(ind))  # not made yet
+    caches = compile_caches()
+    assert caches == {"triton": {"dir": str(tri), "entries_at_start": 1},
+                      "inductor": {"dir": str(ind), "entries_at_start": 0}}
+    report = {"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
+              "row_multiple": 1, "steps": 2, "arms": [], "compile_caches": caches}
+    table = markdown_table(report)
+    assert f"triton {tri} (1 entries); inductor {ind} (0 entries)." in table
+    assert "cold" not in table
+    (tri / "abc").rmdir()
+    report["compile_caches"] = compile_caches()
+    assert "(cold: the first arm's first step compiles everything)" in markdown_table(report)
+    del report["compile_caches"]  # reports from before the field: no line
+    assert "Compile caches" not in markdown_table(report)

@@ -32,7 +32,9 @@ times the packed arm's sample count).
 from __future__ import annotations
 
 import datetime
+import getpass
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -121,6 +123,25 @@ def _summary(rows: list[dict]) -> dict:
             "steps_timed": len(timed)}
 
 
+def compile_caches() -> dict:
+    """Triton's and inductor's on-disk caches as the arms will find them: each one's directory
+    (its variable, else the library's default) and how many entries it holds now. A first step
+    means "from cold" only where both are empty."""
+    home = os.path.expanduser("~")
+    dirs = {"triton": os.environ.get("TRITON_CACHE_DIR")
+            or os.path.join(os.environ.get("TRITON_HOME") or home, ".triton", "cache"),
+            "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")}
+    out = {}
+    for name, d in dirs.items():
+        try:
+            entries = len(os.listdir(d))
+        except OSError:  # not made yet: nothing cached
+            entries = 0
+        out[name] = {"dir": d, "entries_at_start": entries}
+    return out
+
+
 def config_nproc(config: str, extra: dict) -> int:
     """The ranks a run of `config` with the `--set` overrides `extra` starts: its train.nproc."""
     from longmoe.train.config import load_run_config
@@ -141,7 +162,7 @@ def run_bench(config: str, nproc: int | None, samples: int, mean: int, max_len: 
               "arms_run": arm_names or selected_arms(None),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": backend.probe().get("device_name") or backend.name,
-              "versions": backend.versions(), "arms": []}
+              "versions": backend.versions(), "compile_caches": compile_caches(), "arms": []}
     with tempfile.TemporaryDirectory(prefix="longmoe-packing-") as tmp:
         for name, sets in arms(samples, mean, max_len, budget, prompt_len, padded_samples,
                                ref_samples, row_multiple):
@@ -221,6 +242,12 @@ def markdown_table(report: dict) -> str:
                      f"{r['step_time_s']:.2f} | {first} | {r['padding_share']:.1%} | "
                      f"{r['micro_batches']:g} | {r['hw_tflops_per_gpu']:.1f} | "
                      f"{r['peak_mem_gib']:.2f} |")
+    caches = report.get("compile_caches")
+    if caches:  # absent from reports written before it was recorded
+        lines += ["", "Compile caches at the start: " + "; ".join(
+            f"{k} {v['dir']} ({v['entries_at_start']} entries)" for k, v in caches.items())
+            + (" (cold: the first arm's first step compiles everything)"
+               if all(v["entries_at_start"] == 0 for v in caches.values()) else "") + "."]
     rt = report.get("ratios") or {}
     if rt:
         lines += ["", "; ".join(f"{k.replace('_', ' ')}: {v:.3f}" for k, v in rt.items())]
