@@ -18,6 +18,7 @@ MODULES = {
     "grouped-mm": "longmoe.bench.grouped_mm",
     "gated-delta": "longmoe.bench.gated_delta",
     "train-path": "longmoe.bench.train_path",
+    "packing": "longmoe.bench.packing",
 }
 
 ROW_KEYS = ("summary", "results", "runs", "rows", "reports")
