@@ -111,7 +111,7 @@ def test_bench_packing_reports_the_first_step_apart():
     assert r == {"packed_first_step_over_static_shapes": 0.5, "packed_step_over_static_shapes": 1.0}
     table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
                             "row_multiple": 1, "steps": 3, "arms": arms, "ratios": r})
-    assert "| packed | 8 | 10 | 4.00 | 9.00 (2.25x) |" in table
+    assert "| packed | 8 | 10 | 4.00 | 9.00 (2.25x) | not recorded |" in table
 
 
 def test_bench_packing_records_the_compile_caches_it_starts_from(tmp_path, monkeypatch):
@@ -136,3 +136,24 @@ def test_bench_packing_records_the_compile_caches_it_starts_from(tmp_path, monke
     assert "(cold: the first arm's first step compiles everything)" in markdown_table(report)
     del report["compile_caches"]  # reports from before the field: no line
     assert "Compile caches" not in markdown_table(report)
+
+
+def test_bench_packing_reports_the_first_steps_kernel_compiles():
+    from longmoe.bench.packing import _summary, markdown_table
+    rows = [{"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
+             "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
+             "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30, "kernel_compiles": n,
+             "kernel_compile_s": s, "kernel_cache_loads": 0}
+            for t, n, s in ((30.0, 26, 15.45), (20.0, 0, 0.0), (20.0, 1, 0.5))]
+    r = _summary(rows)
+    assert (r["first_step_kernel_compiles"], r["first_step_kernel_compile_s"],
+            r["later_kernel_compiles"]) == (26, 15.45, 1)
+    table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
+                            "row_multiple": 1, "steps": 3,
+                            "arms": [{"arm": "packed", "samples": 8, "status": "ok", **r}]})
+    assert "| 30.00 (1.50x) | 26 (15.45) |" in table
+    for row in rows:  # a log without the fields (no listener): not recorded, not zero
+        for k in ("kernel_compiles", "kernel_compile_s", "kernel_cache_loads"):
+            del row[k]
+    r = _summary(rows)
+    assert r["first_step_kernel_compiles"] is None and r["later_kernel_compiles"] is None

@@ -206,11 +206,22 @@ def test_objective_terms_in_the_step_log_and_metrics(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    from longmoe.ops.kernels.compile_watch import CompileWatch
+    probe = CompileWatch().start()
+    watching = probe.active
+    probe.stop()
     for r in rows:
         for k in ("ratio", "kl", "tis_weight", "tis_clip_frac", "dual_clip_frac"):
             assert isinstance(r[k], float), (k, r)
         assert 0 < r["tis_weight"] <= 1.2 and 0 <= r["tis_clip_frac"] <= 1
         assert r["kl"] >= 0  # k3 is never negative
         assert r["ratio"] > 0
+        # The step's kernel compiles (longmoe.ops.kernels.compile_watch): the CPU path
+        # launches no compiled Triton kernel, so none; absent where Triton has no listener.
+        if watching:
+            assert (r["kernel_compiles"], r["kernel_compile_s"], r["kernel_cache_loads"]) == \
+                (0, 0.0, 0), r
+        else:
+            assert "kernel_compiles" not in r
     out = " ".join(p.stdout.split())
     assert "kl " in out and "tis " in out and "dual-clip " in out, out

@@ -120,7 +120,14 @@ def _summary(rows: list[dict]) -> dict:
             "rank_cost_imbalance": med("rank_cost_imbalance"),
             "hw_tflops_per_gpu": med("hw_tflops_per_gpu"),
             "peak_mem_gib": max(r["peak_mem_bytes"] for r in rows) / 2**30,
-            "steps_timed": len(timed)}
+            "steps_timed": len(timed),
+            # Kernel variants compiled in the first step and the compiler's seconds (the step
+            # log's CompileWatch fields; None where Triton gave no listener), and any compiled
+            # later (a steady step should compile none).
+            "first_step_kernel_compiles": rows[0].get("kernel_compiles"),
+            "first_step_kernel_compile_s": rows[0].get("kernel_compile_s"),
+            "later_kernel_compiles": (sum(r["kernel_compiles"] for r in rows[1:])
+                                      if all("kernel_compiles" in r for r in rows) else None)}
 
 
 def compile_caches() -> dict:
@@ -230,16 +237,19 @@ def markdown_table(report: dict) -> str:
              f"(rows to a multiple of {report['row_multiple']}); medians over steps after the "
              f"first of {report['steps']}; first step: the first step's seconds (it compiles) "
              f"and its ratio to the steady step.", "",
-             "| arm | samples/step | useful tok/s | step s | first step s | padding | "
-             "micro-batches | hw TFLOPS/GPU | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| arm | samples/step | useful tok/s | step s | first step s | first step: kernels "
+             "compiled (compiler s) | padding | micro-batches | hw TFLOPS/GPU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["arms"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['arm']} | {r['samples']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['arm']} | {r['samples']} | {r['status']} | | | | | | | |")
             continue
         first = (f"{r['first_step_s']:.2f} ({r['first_over_steady']:.2f}x)"
                  if r.get("first_step_s") is not None else "not recorded")
+        n, sec = r.get("first_step_kernel_compiles"), r.get("first_step_kernel_compile_s")
+        comp = f"{n} ({sec:.2f})" if n is not None else "not recorded"
         lines.append(f"| {r['arm']} | {r['samples']} | {r['useful_tokens_per_s']:,.0f} | "
-                     f"{r['step_time_s']:.2f} | {first} | {r['padding_share']:.1%} | "
+                     f"{r['step_time_s']:.2f} | {first} | {comp} | {r['padding_share']:.1%} | "
                      f"{r['micro_batches']:g} | {r['hw_tflops_per_gpu']:.1f} | "
                      f"{r['peak_mem_gib']:.2f} |")
     caches = report.get("compile_caches")

@@ -49,6 +49,12 @@ def _packing_note(m: dict) -> str:
     return out
 
 
+def _compile_note(m: dict) -> str:
+    """Kernel variants the step compiled (a first step, or a new shape): where its time went."""
+    n = m.get("kernel_compiles") or 0
+    return f"  compiled {n} kernel(s) in {m['kernel_compile_s']:.1f} s" if n else ""
+
+
 def _objective_note(m: dict) -> str:
     """The objective's terms beyond the plain surrogate, when the run's objective has them."""
     out = ""
@@ -129,7 +135,7 @@ class Progress:
             f"{m['hw_tflops_per_gpu']:.3g} hw TFLOPS/rank"
             + (f"  MFU {m['mfu']:.1%}" if m.get("mfu") else "")
             + (f"  {masked} sample(s) with no trained token" if masked else "")
-            + _objective_note(m) + _packing_note(m) + _skip_note(m))
+            + _objective_note(m) + _packing_note(m) + _compile_note(m) + _skip_note(m))
 
     def close(self):
         if self.out:

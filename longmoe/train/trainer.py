@@ -31,6 +31,7 @@ from longmoe.checkpoint.save import save as save_checkpoint
 from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
+from longmoe.ops.kernels.compile_watch import CompileWatch
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
@@ -133,19 +134,38 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                       f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
-    first_bad = 0
+    watch = CompileWatch().start()  # each step's kernel compiles, in its log row
+    try:
+        _steps(run, opts, backend, device, pt, feed, progress, peak_flops, identity, start,
+               replaced, watch)
+    finally:
+        watch.stop()
+    if run.train.export_hf:
+        if not all_finite(model.parameters(), layout, device):
+            raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
+        out = pt.export_hf(run.train.export_hf)
+        progress.info(f"exported Hugging Face checkpoint: {out}")
+    return progress.summary({"world": world, "backend": backend.name, **data_counts})
+
+
+def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: PolicyTrainer, feed,
+           progress, peak_flops, identity, start: int, replaced: bool, watch: CompileWatch):
+    """train()'s step loop: data, forward_backward + optim_step, the step log, checkpoints."""
+    layout, model, rank, first_bad = pt.layout, pt.model, pt.layout.rank, 0
     for step in range(start, run.train.steps):
         data = feed.step(step)
         backend.synchronize()
         backend.reset_peak_memory()
         prof = (step_profiler(backend) if opts.profile_dir
                 and step == min(start + 2, run.train.steps - 1) else None)
+        watch.take()  # compiles before the step (model build, data) are not the step's
         t0 = time.perf_counter()
         with prof or contextlib.nullcontext():
             stats = pt.forward_backward(data)
             info = pt.optim_step(stop_on_bad=False)
             backend.synchronize()
         dt = time.perf_counter() - t0
+        compiles = watch.take()
         if prof is not None:
             write_profile(prof, opts.profile_dir, rank, backend)
             progress.info(f"profile of step {step + 1} (timed with the profiler on): "
@@ -154,7 +174,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
         if info["skipped"] == "nonfinite" and bad_in_a_row == 1:
             first_bad = step + 1
         progress.step(step_metrics(run, layout, data, step, stats, info, dt, pt.lr, backend,
-                                   device, peak_flops))
+                                   device, peak_flops, compiles))
         if bad_in_a_row >= run.train.max_bad_steps:
             progress.close()
             raise TrainingStopped(
@@ -183,34 +203,33 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                 if removed:
                     progress.info(f"train.keep_checkpoints={run.train.keep_checkpoints}: "
                                   f"removed {', '.join(removed)}")
-    if run.train.export_hf:
-        if not all_finite(model.parameters(), layout, device):
-            raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
-        out = pt.export_hf(run.train.export_hf)
-        progress.info(f"exported Hugging Face checkpoint: {out}")
-    return progress.summary({"world": world, "backend": backend.name, **data_counts})
 
 
 # The objective's per-token means beyond the ones every row has, logged when the objective
 # computes them (longmoe.api.policy.STATS).
 OPTIONAL_STATS = ("ratio", "kl", "tis_weight", "tis_clip_frac", "dual_clip_frac")
+COMPILE_FIELDS = ("kernel_compiles", "kernel_compile_s", "kernel_cache_loads")
 
 
 def step_metrics(run: RunConfig, layout, data: StepData, step: int, stats: dict, info: dict,
-                 dt: float, lr: float, backend: Backend, device, peak_flops) -> dict:
+                 dt: float, lr: float, backend: Backend, device, peak_flops,
+                 compiles: dict | None = None) -> dict:
     """One row of the step log and --metrics-out from forward_backward's reduced `stats` and
     optim_step's `info`. Rates and FLOPs count useful tokens only (the samples' own, not
     padding): tokens_per_s is useful tokens per second of the slowest rank, and the FLOPs are
     those of the samples as trained (attention per sample, longmoe.model.flops with their
-    lengths), so padding never counts as work done."""
+    lengths), so padding never counts as work done. `compiles` (CompileWatch.take: this
+    rank's kernel compiles in the step) gives kernel_compiles, kernel_compile_s and
+    kernel_cache_loads, each the largest over ranks; absent where the watch is inactive."""
     cp, world = layout.cp, layout.world
     fl = step_flops(run.model, 0, 0, run.parallel.recompute, lengths=data.lengths,
                     keep_attention=run.parallel.keep_attention)
     # Quantities of a data rank sit on each of its cp ranks: summed over ranks, / cp.
     vals = _sum([data.masked / cp, data.truncated / cp, fl.model / cp, fl.hardware / cp,
                  data.cost / cp], device)
-    peak, slowest, max_cost = _sum([backend.peak_memory_bytes(), dt, data.cost], device,
-                                   dist.ReduceOp.MAX)
+    comp = [compiles[k] for k in COMPILE_FIELDS] if compiles is not None else []
+    peak, slowest, max_cost, *comp = _sum([backend.peak_memory_bytes(), dt, data.cost, *comp],
+                                          device, dist.ReduceOp.MAX)
     rows, useful = stats["row_tokens"], stats["useful_tokens"]
     model_tflops = vals[2] / slowest / world / 1e12
     mean_cost = vals[4] / layout.data_world
@@ -234,6 +253,9 @@ def step_metrics(run: RunConfig, layout, data: StepData, step: int, stats: dict,
         "dropped_samples": over.dropped, "truncated_tokens": over.truncated_tokens,
         "skipped": info["skipped"], "bad_steps": info["bad_steps"]}
     row.update({k: stats[k] for k in OPTIONAL_STATS if k in stats})
+    if compiles is not None:
+        row.update({k: (v if k == "kernel_compile_s" else round(v))
+                    for k, v in zip(COMPILE_FIELDS, comp)})
     return row
 
 
