@@ -157,3 +157,18 @@ def test_bench_packing_reports_the_first_steps_kernel_compiles():
             del row[k]
     r = _summary(rows)
     assert r["first_step_kernel_compiles"] is None and r["later_kernel_compiles"] is None
+
+
+def test_bench_packing_says_what_was_precompiled_and_waited_for():
+    from longmoe.bench.packing import _summary, markdown_table
+    rows = [{"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
+             "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
+             "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30, "kernel_compiles": 0,
+             "kernel_compile_s": 0.0, "kernel_cache_loads": 26} for t in (24.0, 20.0)]
+    rows[0].update(kernel_precompiled=26, kernel_precompile_s=9.0, kernel_precompile_wait_s=1.5)
+    r = _summary(rows)
+    assert (r["precompiled"], r["precompile_wait_s"]) == (26, 1.5)
+    table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
+                            "row_multiple": 1, "steps": 2,
+                            "arms": [{"arm": "packed", "samples": 8, "status": "ok", **r}]})
+    assert "| 0 (0.00); 26 precompiled, 1.5 s waited before it |" in table

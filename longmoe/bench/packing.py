@@ -127,7 +127,11 @@ def _summary(rows: list[dict]) -> dict:
             "first_step_kernel_compiles": rows[0].get("kernel_compiles"),
             "first_step_kernel_compile_s": rows[0].get("kernel_compile_s"),
             "later_kernel_compiles": (sum(r["kernel_compiles"] for r in rows[1:])
-                                      if all("kernel_compiles" in r for r in rows) else None)}
+                                      if all("kernel_compiles" in r for r in rows) else None),
+            # train.kernel_manifest: variants compiled ahead, and the wait for them after the
+            # model build (not inside the first step's time)
+            "precompiled": rows[0].get("kernel_precompiled"),
+            "precompile_wait_s": rows[0].get("kernel_precompile_wait_s")}
 
 
 def compile_caches() -> dict:
@@ -248,6 +252,9 @@ def markdown_table(report: dict) -> str:
                  if r.get("first_step_s") is not None else "not recorded")
         n, sec = r.get("first_step_kernel_compiles"), r.get("first_step_kernel_compile_s")
         comp = f"{n} ({sec:.2f})" if n is not None else "not recorded"
+        if r.get("precompiled") is not None:
+            comp += (f"; {r['precompiled']} precompiled, {r['precompile_wait_s']:.1f} s waited "
+                     f"before it")
         lines.append(f"| {r['arm']} | {r['samples']} | {r['useful_tokens_per_s']:,.0f} | "
                      f"{r['step_time_s']:.2f} | {first} | {comp} | {r['padding_share']:.1%} | "
                      f"{r['micro_batches']:g} | {r['hw_tflops_per_gpu']:.1f} | "

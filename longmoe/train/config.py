@@ -329,6 +329,11 @@ class TrainConfig:
     init_hf: str = ""
     # Write the trained model here as a Hugging Face checkpoint (published layout) at the end.
     export_hf: str = ""
+    # A kernel manifest (longmoe.ops.kernels.precompile): at start on a GPU, the kernel variants
+    # it lists compile in parallel processes into Triton's on-disk cache while the model is
+    # built; the variants this run compiles or loads are added to it (made if missing). Empty:
+    # off. The cache stays on its machine; the manifest can go wherever the runs go.
+    kernel_manifest: str = ""
 
     def __post_init__(self):
         if self.steps < 0:

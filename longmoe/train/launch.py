@@ -47,6 +47,8 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
                         f"({run.model.linear_conv_kernel - 1})")
     if run.train.init_hf:
         check_hf_init(run)
+    if run.train.kernel_manifest:
+        check_kernel_manifest(run.train.kernel_manifest)
     if run.train.export_hf:  # the architecture that computes this model, or refused by field
         from longmoe.model.hf_compat import target
         target(run.model)
@@ -91,6 +93,20 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
     else:  # GPU ranks check on their own device (here it would open a device context)
         check_named_impls(run.impl, backend.device(0), torch_dtype(run.parallel.param_dtype))
     return backend
+
+
+def check_kernel_manifest(path: str):
+    """An existing manifest must read as one; a new one needs a directory to be written in."""
+    import os
+
+    from longmoe.ops.kernels.precompile import load
+    if os.path.exists(path):
+        try:
+            load(path)
+        except ValueError as e:
+            raise UserError(f"train.kernel_manifest: {e}") from None
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UserError(f"train.kernel_manifest: {path}: its directory does not exist")
 
 
 def check_hf_init(run: RunConfig):

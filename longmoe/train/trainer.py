@@ -32,6 +32,7 @@ from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
 from longmoe.ops.kernels.compile_watch import CompileWatch
+from longmoe.ops.kernels.precompile import Precompile, load, merge, start
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
@@ -71,6 +72,37 @@ def _sum(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
+def start_precompile(run: RunConfig, backend: Backend) -> Precompile | None:
+    """train.kernel_manifest on a GPU: this rank's share of the manifest's variants (every
+    local_world-th, from its local rank) compiling in its share of the host's cores."""
+    path = run.train.kernel_manifest
+    if not path or backend.device_type == "cpu" or not os.path.exists(path):
+        return None
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()
+                                     if dist.is_initialized() else 1))
+    cores = max(1, (os.cpu_count() or 1) // local_world)
+    return start(load(path)[local::local_world], workers=cores)
+
+
+def finish_precompile(pre: Precompile, path: str, world: int) -> tuple[str, dict]:
+    """Wait for this rank's share (and, with peers, for theirs: no rank's first step compiles a
+    variant another rank is still compiling); the line for the log and the fields for the first
+    step's row (kernel_precompile_s: the pool's wall time from its start beside the model
+    build; kernel_precompile_wait_s: how long the trainer waited for it after the build)."""
+    t0 = time.perf_counter()
+    r = pre.wait()
+    if world > 1:
+        dist.barrier()
+    waited = time.perf_counter() - t0
+    failed = (f"; {r['failed']} failed (their launches compile them)" if r["failed"] else "")
+    return (f"train.kernel_manifest: {r['entries']} variant(s) from {path} compiled by "
+            f"{r['workers']} process(es) in {r['wall_s']:.1f} s beside the model build "
+            f"(waited {waited:.1f} s after it){failed}"), {
+        "kernel_precompiled": r["entries"] - r["failed"], "kernel_precompile_s": r["wall_s"],
+        "kernel_precompile_wait_s": waited}
+
+
 def step_profiler(backend: Backend):
     acts = [torch.profiler.ProfilerActivity.CPU]
     if backend.device_type != "cpu":
@@ -92,6 +124,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     """Runs on every rank inside an initialised process group (or alone). Returns rank 0's summary.
     Each step: this rank's share of the data source (longmoe.train.feed), one forward_backward
     and one optim_step of a longmoe.api.PolicyTrainer, the step log, the checkpoint cadence."""
+    pre = start_precompile(run, backend)  # beside the model build below
     pt = PolicyTrainer(run, backend=backend, device=device)
     rank, world, layout, model = pt.layout.rank, pt.layout.world, pt.layout, pt.model
     feed = Feed(run, layout.data_rank, layout.data_world)
@@ -134,10 +167,16 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                       f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
-    watch = CompileWatch().start()  # each step's kernel compiles, in its log row
+    pre_row = None
+    if pre is not None:
+        line, pre_row = finish_precompile(pre, run.train.kernel_manifest, world)
+        progress.info(line)
+    # Each step's kernel compiles, in its log row; with a manifest, the variants too (rank 0
+    # adds them to it).
+    watch = CompileWatch(record=bool(run.train.kernel_manifest) and rank == 0).start()
     try:
         _steps(run, opts, backend, device, pt, feed, progress, peak_flops, identity, start,
-               replaced, watch)
+               replaced, watch, pre_row)
     finally:
         watch.stop()
     if run.train.export_hf:
@@ -149,7 +188,8 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
 
 
 def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: PolicyTrainer, feed,
-           progress, peak_flops, identity, start: int, replaced: bool, watch: CompileWatch):
+           progress, peak_flops, identity, start: int, replaced: bool, watch: CompileWatch,
+           pre_row: dict | None = None):
     """train()'s step loop: data, forward_backward + optim_step, the step log, checkpoints."""
     layout, model, rank, first_bad = pt.layout, pt.model, pt.layout.rank, 0
     for step in range(start, run.train.steps):
@@ -166,6 +206,11 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
             backend.synchronize()
         dt = time.perf_counter() - t0
         compiles = watch.take()
+        if watch.entries:
+            n = merge(run.train.kernel_manifest, watch.entries)
+            progress.info(f"train.kernel_manifest: {len(watch.entries)} variant(s) of step "
+                          f"{step + 1} added to {run.train.kernel_manifest} ({n} in all)")
+            watch.entries.clear()
         if prof is not None:
             write_profile(prof, opts.profile_dir, rank, backend)
             progress.info(f"profile of step {step + 1} (timed with the profiler on): "
@@ -173,8 +218,11 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
         bad_in_a_row = info["bad_steps"]
         if info["skipped"] == "nonfinite" and bad_in_a_row == 1:
             first_bad = step + 1
-        progress.step(step_metrics(run, layout, data, step, stats, info, dt, pt.lr, backend,
-                                   device, peak_flops, compiles))
+        row = step_metrics(run, layout, data, step, stats, info, dt, pt.lr, backend, device,
+                           peak_flops, compiles)
+        if pre_row is not None and step == start:  # the precompile before this process's first
+            row.update(pre_row)
+        progress.step(row)
         if bad_in_a_row >= run.train.max_bad_steps:
             progress.close()
             raise TrainingStopped(

@@ -26,10 +26,11 @@ def _seconds(times) -> float:
 
 class CompileWatch:
     """Counts compiles between `take()` calls. `start()` chains onto a listener already set
-    (another tool's), `stop()` puts it back."""
+    (another tool's), `stop()` puts it back. With `record`, every variant compiled or loaded
+    from the cache also becomes a manifest entry in `entries` (longmoe.ops.kernels.precompile)."""
 
-    def __init__(self):
-        self.active = False
+    def __init__(self, record: bool = False):
+        self.active, self.record, self.entries = False, record, []
         self._knobs = self._listen = self._prev = None
         self._reset()
 
@@ -45,6 +46,11 @@ class CompileWatch:
             return self
 
         def listen(*, src, metadata, metadata_group, times, cache_hit, **extra):
+            if self.record:
+                from longmoe.ops.kernels.precompile import entry
+                e = entry(src, metadata)
+                if e is not None:
+                    self.entries.append(e)
             if cache_hit:
                 self.cache_loads += 1
             else:
