@@ -130,10 +130,10 @@ def test_bench_packing_records_the_compile_caches_it_starts_from(tmp_path, monke
               "row_multiple": 1, "steps": 2, "arms": [], "compile_caches": caches}
     table = markdown_table(report)
     assert f"triton {tri} (1 entries); inductor {ind} (0 entries)." in table
-    assert "cold" not in table
+    assert "both empty" not in table
     (tri / "abc").rmdir()
     report["compile_caches"] = compile_caches()
-    assert "(cold: the first arm's first step compiles everything)" in markdown_table(report)
+    assert "(0 entries) (both empty)." in markdown_table(report)
     del report["compile_caches"]  # reports from before the field: no line
     assert "Compile caches" not in markdown_table(report)
 
@@ -165,10 +165,18 @@ def test_bench_packing_says_what_was_precompiled_and_waited_for():
              "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
              "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30, "kernel_compiles": 0,
              "kernel_compile_s": 0.0, "kernel_cache_loads": 26} for t in (24.0, 20.0)]
-    rows[0].update(kernel_precompiled=26, kernel_precompile_s=9.0, kernel_precompile_wait_s=1.5)
+    rows[0].update(kernel_precompiled=26, kernel_precompile_s=9.0,
+                   kernel_precompile_wait_after_s=1.5)
     r = _summary(rows)
-    assert (r["precompiled"], r["precompile_wait_s"]) == (26, 1.5)
+    assert (r["precompiled"], r["precompile_s"], r["precompile_wait_after_s"]) == (26, 9.0, 1.5)
     table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
                             "row_multiple": 1, "steps": 2,
                             "arms": [{"arm": "packed", "samples": 8, "status": "ok", **r}]})
-    assert "| 0 (0.00); 26 precompiled, 1.5 s waited before it |" in table
+    assert "| 0 (0.00); 26 precompiled in 9.0 s, 1.5 s waited for after the step |" in table
+    # a report from when the trainer waited for the pool before the first step
+    legacy = {k: v for k, v in r.items() if k != "precompile_wait_after_s"}
+    legacy["precompile_wait_s"] = 9.4
+    table = markdown_table({"samples": 8, "prompt_len": 8, "response_len": "x", "budget": 128,
+                            "row_multiple": 1, "steps": 2,
+                            "arms": [{"arm": "packed", "samples": 8, "status": "ok", **legacy}]})
+    assert "| 0 (0.00); 26 precompiled, 9.4 s waited for before the step |" in table

@@ -128,10 +128,11 @@ def _summary(rows: list[dict]) -> dict:
             "first_step_kernel_compile_s": rows[0].get("kernel_compile_s"),
             "later_kernel_compiles": (sum(r["kernel_compiles"] for r in rows[1:])
                                       if all("kernel_compiles" in r for r in rows) else None),
-            # train.kernel_manifest: variants compiled ahead, and the wait for them after the
-            # model build (not inside the first step's time)
+            # train.kernel_manifest: variants compiled ahead, the pool's seconds from the model
+            # build on, and any wait for it after the first step (outside the step's time)
             "precompiled": rows[0].get("kernel_precompiled"),
-            "precompile_wait_s": rows[0].get("kernel_precompile_wait_s")}
+            "precompile_s": rows[0].get("kernel_precompile_s"),
+            "precompile_wait_after_s": rows[0].get("kernel_precompile_wait_after_s")}
 
 
 def compile_caches() -> dict:
@@ -253,8 +254,12 @@ def markdown_table(report: dict) -> str:
         n, sec = r.get("first_step_kernel_compiles"), r.get("first_step_kernel_compile_s")
         comp = f"{n} ({sec:.2f})" if n is not None else "not recorded"
         if r.get("precompiled") is not None:
-            comp += (f"; {r['precompiled']} precompiled, {r['precompile_wait_s']:.1f} s waited "
-                     f"before it")
+            if r.get("precompile_wait_after_s") is not None:
+                comp += (f"; {r['precompiled']} precompiled in {r['precompile_s']:.1f} s, "
+                         f"{r['precompile_wait_after_s']:.1f} s waited for after the step")
+            else:  # reports from when the trainer waited for the pool before the first step
+                comp += (f"; {r['precompiled']} precompiled, {r['precompile_wait_s']:.1f} s "
+                         f"waited for before the step")
         lines.append(f"| {r['arm']} | {r['samples']} | {r['useful_tokens_per_s']:,.0f} | "
                      f"{r['step_time_s']:.2f} | {first} | {comp} | {r['padding_share']:.1%} | "
                      f"{r['micro_batches']:g} | {r['hw_tflops_per_gpu']:.1f} | "
@@ -263,7 +268,7 @@ def markdown_table(report: dict) -> str:
     if caches:  # absent from reports written before it was recorded
         lines += ["", "Compile caches at the start: " + "; ".join(
             f"{k} {v['dir']} ({v['entries_at_start']} entries)" for k, v in caches.items())
-            + (" (cold: the first arm's first step compiles everything)"
+            + (" (both empty)"
                if all(v["entries_at_start"] == 0 for v in caches.values()) else "") + "."]
     rt = report.get("ratios") or {}
     if rt:

@@ -85,22 +85,22 @@ def start_precompile(run: RunConfig, backend: Backend) -> Precompile | None:
     return start(load(path)[local::local_world], workers=cores)
 
 
-def finish_precompile(pre: Precompile, path: str, world: int) -> tuple[str, dict]:
-    """Wait for this rank's share (and, with peers, for theirs: no rank's first step compiles a
-    variant another rank is still compiling); the line for the log and the fields for the first
-    step's row (kernel_precompile_s: the pool's wall time from its start beside the model
-    build; kernel_precompile_wait_s: how long the trainer waited for it after the build)."""
+def finish_precompile(pre: Precompile, path: str) -> tuple[str, dict]:
+    """Collect the pool after the first step (by then it has finished: its variants go in the
+    order the last run first launched them, ahead of this run's launches, and a launch that
+    gets ahead of it compiles that variant itself, as without a manifest); the line for the log
+    and the fields for the first step's row (kernel_precompiled: variants compiled ahead;
+    kernel_precompile_s: the pool's wall time from its start beside the model build;
+    kernel_precompile_wait_after_s: how long collecting it waited after the first step)."""
     t0 = time.perf_counter()
     r = pre.wait()
-    if world > 1:
-        dist.barrier()
     waited = time.perf_counter() - t0
     failed = (f"; {r['failed']} failed (their launches compile them)" if r["failed"] else "")
     return (f"train.kernel_manifest: {r['entries']} variant(s) from {path} compiled by "
-            f"{r['workers']} process(es) in {r['wall_s']:.1f} s beside the model build "
-            f"(waited {waited:.1f} s after it){failed}"), {
+            f"{r['workers']} process(es) in {r['wall_s']:.1f} s from the model build on"
+            f"{failed}"), {
         "kernel_precompiled": r["entries"] - r["failed"], "kernel_precompile_s": r["wall_s"],
-        "kernel_precompile_wait_s": waited}
+        "kernel_precompile_wait_after_s": waited}
 
 
 def step_profiler(backend: Backend):
@@ -167,18 +167,16 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                       f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
-    pre_row = None
-    if pre is not None:
-        line, pre_row = finish_precompile(pre, run.train.kernel_manifest, world)
-        progress.info(line)
     # Each step's kernel compiles, in its log row; with a manifest, the variants too (rank 0
     # adds them to it).
     watch = CompileWatch(record=bool(run.train.kernel_manifest) and rank == 0).start()
     try:
         _steps(run, opts, backend, device, pt, feed, progress, peak_flops, identity, start,
-               replaced, watch, pre_row)
+               replaced, watch, pre)
     finally:
         watch.stop()
+        if pre is not None and pre.pool is not None:  # stopped before its first step ended
+            pre.pool.shutdown(wait=False, cancel_futures=True)
     if run.train.export_hf:
         if not all_finite(model.parameters(), layout, device):
             raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
@@ -189,7 +187,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
 
 def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: PolicyTrainer, feed,
            progress, peak_flops, identity, start: int, replaced: bool, watch: CompileWatch,
-           pre_row: dict | None = None):
+           pre: Precompile | None = None):
     """train()'s step loop: data, forward_backward + optim_step, the step log, checkpoints."""
     layout, model, rank, first_bad = pt.layout, pt.model, pt.layout.rank, 0
     for step in range(start, run.train.steps):
@@ -207,9 +205,10 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
         dt = time.perf_counter() - t0
         compiles = watch.take()
         if watch.entries:
-            n = merge(run.train.kernel_manifest, watch.entries)
-            progress.info(f"train.kernel_manifest: {len(watch.entries)} variant(s) of step "
-                          f"{step + 1} added to {run.train.kernel_manifest} ({n} in all)")
+            n, added = merge(run.train.kernel_manifest, watch.entries)
+            if added:
+                progress.info(f"train.kernel_manifest: {added} new variant(s) of step "
+                              f"{step + 1} added to {run.train.kernel_manifest} ({n} in all)")
             watch.entries.clear()
         if prof is not None:
             write_profile(prof, opts.profile_dir, rank, backend)
@@ -220,8 +219,11 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
             first_bad = step + 1
         row = step_metrics(run, layout, data, step, stats, info, dt, pt.lr, backend, device,
                            peak_flops, compiles)
-        if pre_row is not None and step == start:  # the precompile before this process's first
+        if pre is not None and step == start:  # the pool started beside the model build
+            line, pre_row = finish_precompile(pre, run.train.kernel_manifest)
+            progress.info(line)
             row.update(pre_row)
+            pre = None
         progress.step(row)
         if bad_in_a_row >= run.train.max_bad_steps:
             progress.close()

@@ -5,8 +5,10 @@ specialisations) on its first launch, one after another on the host, so a run on
 an empty cache pays every compile inside its first step. The on-disk cache does not travel
 between machines, but the list of variants does: `record` turns what Triton's compilation
 listener saw (longmoe.ops.kernels.compile_watch) into manifest entries, and `start` compiles a
-manifest's entries in a pool of processes into this machine's cache, while the model is built;
-the first launch of each variant then reads it from disk.
+manifest's entries in a pool of processes into this machine's cache, from the model build on;
+the first launch of each variant then reads it from disk (the entries go in the order an earlier
+run first launched them, so the pool stays ahead of the launches; one that gets ahead compiles
+its variant itself, and the cache keeps one copy).
 
 An entry names the kernel by module and name (imported again in the worker), with the signature,
 constexprs and specialisation attributes Triton was given and the launch options that shape the
@@ -87,21 +89,24 @@ def _key(e: dict) -> str:
     return json.dumps(e, sort_keys=True)
 
 
-def merge(path: str | Path, entries: list[dict]) -> int:
+def merge(path: str | Path, entries: list[dict]) -> tuple[int, int]:
     """Add `entries` to the manifest at `path` (made if missing), each variant once; written
-    whole to a temporary file and renamed, so a reader never sees half a manifest. Returns the
-    number of entries the manifest holds."""
+    whole to a temporary file and renamed, so a reader never sees half a manifest. Returns
+    (entries the manifest holds, entries added); nothing new: the file is left as it was."""
     path = Path(path)
     have = load(path) if path.exists() else []
+    before = len(have)
     seen = {_key(e) for e in have}
     for e in entries:
         if _key(e) not in seen:
             have.append(e)
             seen.add(_key(e))
+    if len(have) == before and path.exists():
+        return before, 0
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"kind": "longmoe-kernel-manifest", "entries": have}, indent=0))
     tmp.replace(path)
-    return len(have)
+    return len(have), len(have) - before
 
 
 def load(path: str | Path) -> list[dict]:
