@@ -107,3 +107,18 @@ def test_a_bad_manifest_is_one_line_naming_the_field(tmp_path, content, needle):
         assert len(lines) == 1 and lines[0].count("train.kernel_manifest") == 1, p.stderr
         assert (needle if path == str(bad) else "its directory does not exist") in lines[0]
         assert not bad.with_name("m.json.tmp").exists()
+
+
+def test_a_run_with_a_manifest_trains_and_leaves_it_whole_on_cpu(tmp_path):
+    # On CPU no kernel compiles: the run trains as without the field and adds nothing.
+    path = tmp_path / "kernels.json"
+    precompile.merge(path, [])
+    before = path.read_text()
+    p = subprocess.run([sys.executable, "-m", "longmoe", "train", "--config", "cpu_demo",
+                        "--nproc", "1", "--set", "parallel.ep=1", "--steps", "1",
+                        "--set", f"train.kernel_manifest={path}", "--metrics-out", "m.jsonl"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert path.read_text() == before and precompile.load(path) == []
+    row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    assert "kernel_precompiled" not in row  # nothing precompiled on a CPU
