@@ -59,12 +59,16 @@ def test_recorded_variants_compile_in_workers_into_the_cache_the_launch_reads(tm
     stale = dict(e, name="no_such_kernel")
     r = precompile.start(precompile.load(path) + [stale], workers=2).wait()
     assert (r["entries"], r["failed"], r["workers"]) == (3, 1, 2) and r["compile_s"] > 0
-    watch = CompileWatch().start()
+    watch = CompileWatch(record=True).start()
     try:
         _compile_l2norm(8, 8)
         _compile_l2norm(16, 4)
         assert watch.take() == {"kernel_compiles": 0, "kernel_compile_s": 0.0,
                                 "kernel_cache_loads": 2}
+        # a variant read from the cache is recorded as the same entry as when it compiled, so
+        # a run on a warm machine adds nothing to the manifest
+        assert watch.entries == entries
+        assert precompile.merge(path, watch.entries) == (2, 0)
     finally:
         watch.stop()
 
@@ -85,6 +89,16 @@ def test_entries_that_cannot_be_replayed_are_left_out():
     assert e["target"] == [t.triton_backend, t.arch, t.warp_size]
     assert e["constexprs"] == [[[1], 64]]
     assert e["options"] == {"num_warps": 8}  # scalars that differ from the defaults only
+
+
+def test_only_the_devices_target_is_compiled():
+    from types import SimpleNamespace
+    a = {"module": "m", "name": "k", "target": ["cuda", 90, 32]}
+    b = dict(a, target=["hip", "gfx942", 64])
+    assert precompile.for_target([a, b], SimpleNamespace(backend="hip", arch="gfx942",
+                                                         warp_size=64)) == [b]
+    assert precompile.for_target([a, b], ["cuda", 90, 32]) == [a]
+    assert precompile.for_target([a, b], ["cuda", 100, 32]) == []
 
 
 def test_precompile_with_nothing_to_do():

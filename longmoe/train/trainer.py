@@ -32,7 +32,8 @@ from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
 from longmoe.ops.kernels.compile_watch import CompileWatch
-from longmoe.ops.kernels.precompile import Precompile, load, merge, start
+from longmoe.ops.kernels.precompile import (Precompile, current_target, for_target, load,
+                                            merge, start)
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
@@ -73,16 +74,20 @@ def _sum(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
 
 
 def start_precompile(run: RunConfig, backend: Backend) -> Precompile | None:
-    """train.kernel_manifest on a GPU: this rank's share of the manifest's variants (every
-    local_world-th, from its local rank) compiling in its share of the host's cores."""
+    """train.kernel_manifest on a GPU: this rank's share of the manifest's variants for this
+    device's target (every local_world-th, from its local rank) compiling in its share of the
+    host's cores."""
     path = run.train.kernel_manifest
     if not path or backend.device_type == "cpu" or not os.path.exists(path):
         return None
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()
                                      if dist.is_initialized() else 1))
+    target = current_target()
+    if target is None:
+        return None
     cores = max(1, (os.cpu_count() or 1) // local_world)
-    return start(load(path)[local::local_world], workers=cores)
+    return start(for_target(load(path), target)[local::local_world], workers=cores)
 
 
 def finish_precompile(pre: Precompile, path: str) -> tuple[str, dict]:

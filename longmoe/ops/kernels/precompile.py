@@ -121,6 +121,22 @@ def load(path: str | Path) -> list[dict]:
     return data["entries"]
 
 
+def for_target(entries: list[dict], target) -> list[dict]:
+    """The entries compiled for `target` (the device this process launches on: a GPUTarget, or
+    [backend, arch, warp_size]); a manifest written on another kind of GPU can hold others."""
+    want = _target(target)
+    return [e for e in entries if list(e["target"]) == want]
+
+
+def current_target():
+    """This process's launch target (Triton's active driver), None where there is none."""
+    try:
+        from triton.runtime import driver
+        return driver.active.get_current_target()
+    except Exception:  # no driver for this machine: nothing of the manifest can be used here
+        return None
+
+
 def compile_entry(e: dict) -> float:
     """Compile one entry into this process's Triton cache; returns the seconds it took (a cache
     hit is fast). Runs in a pool worker."""
