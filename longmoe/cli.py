@@ -400,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--steps", type=int, help="steps per arm; the first compiles (default 2)")
     bk.add_argument("--arms", help="comma-separated arms to run, in their fixed order: "
                                    "full-rows, packed, padded (the default), packed-static (the "
-                                   "packed arm with every row length compiled apart)")
+                                   "packed arm with every row length compiled apart), "
+                                   "packed-manifest (the packed arm twice from empty caches of "
+                                   "its own: recording train.kernel_manifest, then from it)")
     bk.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every arm")
     bk.add_argument("--timeout", type=int, default=900, help="seconds per arm")
     bk.add_argument("--out", help="write the JSON report here")

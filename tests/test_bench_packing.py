@@ -180,3 +180,36 @@ def test_bench_packing_says_what_was_precompiled_and_waited_for():
                             "row_multiple": 1, "steps": 2,
                             "arms": [{"arm": "packed", "samples": 8, "status": "ok", **legacy}]})
     assert "| 0 (0.00); 26 precompiled, 9.4 s waited for before the step |" in table
+
+
+def test_bench_packing_manifest_arms_run_from_empty_caches_of_their_own(tmp_path, monkeypatch):
+    # --arms packed-manifest: the packed arm twice, each with its own (fresh) cache directories
+    # and the same train.kernel_manifest in the run's temporary directory, the first recording
+    # it, the second compiling it ahead; the report gives the second's first step over the first.
+    from longmoe.bench import packing
+    from longmoe.cli import main
+    started = []
+
+    def record(config, nproc, overrides, steps, metrics, timeout, profile=None, env=None):
+        started.append((overrides, env))
+        return {"status": "failed", "cmd": "", "error": "not run"}
+    monkeypatch.setattr(packing, "_run", record)
+    out = tmp_path / "p.json"
+    main(["bench", "packing", "--smoke", "--arms", "packed-manifest,packed", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rep["arms_run"] == ["packed", "packed, empty caches",
+                               "packed, empty caches, kernel manifest"]
+    (packed, packed_env), (cold, cold_env), (pre, pre_env) = started
+    assert packed_env is None and "train.kernel_manifest" not in packed
+    assert cold["train.kernel_manifest"] == pre["train.kernel_manifest"]
+    assert {k: v for k, v in cold.items() if k != "train.kernel_manifest"} == \
+        {k: v for k, v in packed.items()}
+    dirs = [cold_env["TRITON_CACHE_DIR"], cold_env["TORCHINDUCTOR_CACHE_DIR"],
+            pre_env["TRITON_CACHE_DIR"], pre_env["TORCHINDUCTOR_CACHE_DIR"]]
+    assert len(set(dirs)) == 4
+    assert rep["arms"][1]["caches"] == cold_env
+    from longmoe.bench.packing import ratios
+    ok = [{"arm": a, "status": "ok", "first_step_s": t}
+          for a, t in (("packed, empty caches", 40.0), ("packed, empty caches, kernel manifest",
+                                                        30.0))]
+    assert ratios(ok) == {"manifest_first_step_over_empty_caches": 0.75}

@@ -14,8 +14,13 @@ rule task with log-normal response lengths (data.response_len):
   packed, static shapes
              the packed arm with LONGMOE_COMPILE_SHAPES=static (longmoe.ops.compiled): every
              packed row length compiles the row-wise pieces again; only with --arms packed-static
+  packed, empty caches / packed, empty caches, kernel manifest
+             the packed arm twice, each with Triton and inductor caches of its own, empty at its
+             start: the first records train.kernel_manifest (its first step compiles every
+             variant), the second compiles that manifest ahead (longmoe.ops.kernels.precompile);
+             only with --arms packed-manifest
 
-The arms run one after another on the same machine and share torch's and Triton's on-disk
+The other arms run one after another on the same machine and share torch's and Triton's on-disk
 caches, so an arm's first step finds what earlier arms compiled for the same graphs (the
 full-rows arm runs first, and its first step pays the process's compiles from cold).
 
@@ -56,10 +61,15 @@ SMOKE = {"config": "cpu_demo", "samples": 8, "mean": 24, "max_len": 96, "budget"
 
 # --arms names -> arm names, in the order they run; the default runs the first three.
 ARMS = {"full-rows": "full rows", "packed": "packed", "padded": "padded",
-        "packed-static": "packed, static shapes"}
+        "packed-static": "packed, static shapes",
+        "packed-manifest": ("packed, empty caches", "packed, empty caches, kernel manifest")}
 DEFAULT_ARMS = ("full-rows", "packed", "padded")
 # Environment of an arm's training run, beside the --set overrides.
 ARM_ENV = {"packed, static shapes": {"LONGMOE_COMPILE_SHAPES": "static"}}
+# Arms with caches of their own, empty at their start, and train.kernel_manifest in the run's
+# temporary directory: the first writes the manifest (its first step compiles everything), the
+# second compiles it ahead (longmoe.ops.kernels.precompile).
+FRESH_CACHES = ARMS["packed-manifest"]
 
 
 def arms(samples: int, mean: int, max_len: int, budget: int, prompt_len: int,
@@ -95,6 +105,7 @@ def arms(samples: int, mean: int, max_len: int, budget: int, prompt_len: int,
                     "data.num_samples": padded_samples, "data.packing": "false",
                     "data.response_len": lognormal}),
         ("packed, static shapes", packed),
+        *((name, packed) for name in FRESH_CACHES),
     ]
 
 
@@ -106,7 +117,11 @@ def selected_arms(names: str | None) -> list[str]:
     if bad or not keys:
         raise UserError(f"--arms: {', '.join(bad) or 'none given'}; choose from "
                         f"{', '.join(ARMS)}")
-    return [ARMS[k] for k in ARMS if k in keys]
+    out = []
+    for k in ARMS:
+        if k in keys:
+            out += list(ARMS[k]) if isinstance(ARMS[k], tuple) else [ARMS[k]]
+    return out
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -180,12 +195,19 @@ def run_bench(config: str, nproc: int | None, samples: int, mean: int, max_len: 
                                ref_samples, row_multiple):
             if name not in report["arms_run"]:
                 continue
-            metrics = Path(tmp) / f"{name.replace(' ', '_').replace(',', '')}.jsonl"
-            res = _run(config, nproc, {**sets, **extra}, steps, metrics, timeout,
-                       env=ARM_ENV.get(name))
+            slug = name.replace(' ', '_').replace(',', '')
+            metrics = Path(tmp) / f"{slug}.jsonl"
+            env = ARM_ENV.get(name)
+            if name in FRESH_CACHES:
+                env = {"TRITON_CACHE_DIR": str(Path(tmp) / slug / "triton"),
+                       "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / slug / "inductor")}
+                sets = {**sets, "train.kernel_manifest": str(Path(tmp) / "kernels.json")}
+            res = _run(config, nproc, {**sets, **extra}, steps, metrics, timeout, env=env)
             row = {"arm": name, "samples": sets["data.batch_size"],
                    "budget": sets["data.max_tokens_per_micro_batch"], "status": res["status"],
                    "cmd": res["cmd"]}
+            if name in FRESH_CACHES:  # its own caches, empty at its start
+                row["caches"] = env
             if res["status"] == "ok":
                 row.update(_summary(_rows(metrics)), first_loss=res["first_loss"],
                            last_loss=res["last_loss"], step_times_s=res["step_times_s"])
@@ -208,7 +230,7 @@ def ratios(rows: list[dict]) -> dict:
     by = {r["arm"]: r for r in rows if r["status"] == "ok"}
     ref = by.get("full rows")
     if not ref:
-        return _static_ratios(by)
+        return _static_ratios(by) | _manifest_ratios(by)
     out = {}
     for arm in ("packed", "padded"):
         if arm in by:
@@ -224,7 +246,15 @@ def ratios(rows: list[dict]) -> dict:
         rate = pk["useful_tokens_per_step"] / (pk["samples"] * per_row)
         out["padded_tokens_per_s_at_packed_batch"] = rate
         out["padded_at_packed_batch_over_full_rows"] = rate / ref["useful_tokens_per_s"]
-    return out | _static_ratios(by)
+    return out | _static_ratios(by) | _manifest_ratios(by)
+
+
+def _manifest_ratios(by: dict) -> dict:
+    """From empty caches, the packed arm's first step with the kernel manifest against without."""
+    cold, pre = (by.get(n) for n in FRESH_CACHES)
+    if not cold or not pre:
+        return {}
+    return {"manifest_first_step_over_empty_caches": pre["first_step_s"] / cold["first_step_s"]}
 
 
 def _static_ratios(by: dict) -> dict:
