@@ -75,17 +75,25 @@ def test_bench_packing_runs_the_configs_nproc(tmp_path, monkeypatch):
     assert {s[1:] for s in started} == {(1, 1)}
 
 
-def test_bench_packing_arms_and_the_static_shapes_twin(tmp_path, monkeypatch):
-    # --arms picks arms and keeps their fixed order; the static-shapes arm is the packed arm's
-    # command with LONGMOE_COMPILE_SHAPES=static in its environment.
+@pytest.fixture
+def arm_runs(monkeypatch):
+    """The (overrides, env) each arm's training run is given, in order; the runs themselves are
+    replaced by this recorder (each reads as failed)."""
     from longmoe.bench import packing
-    from longmoe.cli import main
     started = []
 
     def record(config, nproc, overrides, steps, metrics, timeout, profile=None, env=None):
         started.append((overrides, env))
         return {"status": "failed", "cmd": "", "error": "not run"}
     monkeypatch.setattr(packing, "_run", record)
+    return started
+
+
+def test_bench_packing_arms_and_the_static_shapes_twin(tmp_path, arm_runs):
+    # --arms picks arms and keeps their fixed order; the static-shapes arm is the packed arm's
+    # command with LONGMOE_COMPILE_SHAPES=static in its environment.
+    from longmoe.cli import main
+    started = arm_runs
     out = tmp_path / "p.json"
     main(["bench", "packing", "--smoke", "--arms", "packed-static,full-rows,packed",
           "--out", str(out)])
@@ -97,11 +105,16 @@ def test_bench_packing_arms_and_the_static_shapes_twin(tmp_path, monkeypatch):
     assert static_env == {"LONGMOE_COMPILE_SHAPES": "static"}
 
 
+def _step_row(t: float, **extra) -> dict:
+    """A step log row of `t` seconds (the fields _summary reads), plus `extra`."""
+    return {"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
+            "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
+            "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30, **extra}
+
+
 def test_bench_packing_reports_the_first_step_apart():
     from longmoe.bench.packing import _summary, markdown_table, ratios
-    rows = [{"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
-             "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
-             "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30} for t in (9.0, 3.0, 5.0)]
+    rows = [_step_row(t) for t in (9.0, 3.0, 5.0)]
     s = _summary(rows)
     assert s["first_step_s"] == 9.0 and s["step_time_s"] == 4.0 and s["first_over_steady"] == 2.25
     arms = [{"arm": "packed", "samples": 8, "status": "ok", **s},
@@ -140,10 +153,7 @@ def test_bench_packing_records_the_compile_caches_it_starts_from(tmp_path, monke
 
 def test_bench_packing_reports_the_first_steps_kernel_compiles():
     from longmoe.bench.packing import _summary, markdown_table
-    rows = [{"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
-             "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
-             "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30, "kernel_compiles": n,
-             "kernel_compile_s": s, "kernel_cache_loads": 0}
+    rows = [_step_row(t, kernel_compiles=n, kernel_compile_s=s, kernel_cache_loads=0)
             for t, n, s in ((30.0, 26, 15.45), (20.0, 0, 0.0), (20.0, 1, 0.5))]
     r = _summary(rows)
     assert (r["first_step_kernel_compiles"], r["first_step_kernel_compile_s"],
@@ -161,10 +171,8 @@ def test_bench_packing_reports_the_first_steps_kernel_compiles():
 
 def test_bench_packing_says_what_was_precompiled_and_waited_for():
     from longmoe.bench.packing import _summary, markdown_table
-    rows = [{"tokens_per_s": 10.0, "step_time_s": t, "padding_share": 0.1, "micro_batches": 2,
-             "useful_tokens": 100, "tokens": 110, "rank_cost_imbalance": 1.0,
-             "hw_tflops_per_gpu": 1.0, "peak_mem_bytes": 2**30, "kernel_compiles": 0,
-             "kernel_compile_s": 0.0, "kernel_cache_loads": 26} for t in (24.0, 20.0)]
+    rows = [_step_row(t, kernel_compiles=0, kernel_compile_s=0.0, kernel_cache_loads=26)
+            for t in (24.0, 20.0)]
     rows[0].update(kernel_precompiled=26, kernel_precompile_s=9.0,
                    kernel_precompile_wait_after_s=1.5)
     r = _summary(rows)
@@ -182,18 +190,12 @@ def test_bench_packing_says_what_was_precompiled_and_waited_for():
     assert "| 0 (0.00); 26 precompiled, 9.4 s waited for before the step |" in table
 
 
-def test_bench_packing_manifest_arms_run_from_empty_caches_of_their_own(tmp_path, monkeypatch):
+def test_bench_packing_manifest_arms_run_from_empty_caches_of_their_own(tmp_path, arm_runs):
     # --arms packed-manifest: the packed arm twice, each with its own (fresh) cache directories
     # and the same train.kernel_manifest in the run's temporary directory, the first recording
     # it, the second compiling it ahead; the report gives the second's first step over the first.
-    from longmoe.bench import packing
     from longmoe.cli import main
-    started = []
-
-    def record(config, nproc, overrides, steps, metrics, timeout, profile=None, env=None):
-        started.append((overrides, env))
-        return {"status": "failed", "cmd": "", "error": "not run"}
-    monkeypatch.setattr(packing, "_run", record)
+    started = arm_runs
     out = tmp_path / "p.json"
     main(["bench", "packing", "--smoke", "--arms", "packed-manifest,packed", "--out", str(out)])
     rep = json.loads(out.read_text())

@@ -32,8 +32,8 @@ from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
 from longmoe.ops.kernels.compile_watch import CompileWatch
-from longmoe.ops.kernels.precompile import (Precompile, current_target, for_target, load,
-                                            merge, start)
+from longmoe.ops.kernels import precompile
+from longmoe.ops.kernels.precompile import Precompile
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
@@ -83,11 +83,12 @@ def start_precompile(run: RunConfig, backend: Backend) -> Precompile | None:
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()
                                      if dist.is_initialized() else 1))
-    target = current_target()
+    target = precompile.current_target()
     if target is None:
         return None
     cores = max(1, (os.cpu_count() or 1) // local_world)
-    return start(for_target(load(path), target)[local::local_world], workers=cores)
+    entries = precompile.for_target(precompile.load(path), target)
+    return precompile.start(entries[local::local_world], workers=cores)
 
 
 def finish_precompile(pre: Precompile, path: str) -> tuple[str, dict]:
@@ -210,7 +211,7 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
         dt = time.perf_counter() - t0
         compiles = watch.take()
         if watch.entries:
-            n, added = merge(run.train.kernel_manifest, watch.entries)
+            n, added = precompile.merge(run.train.kernel_manifest, watch.entries)
             if added:
                 progress.info(f"train.kernel_manifest: {added} new variant(s) of step "
                               f"{step + 1} added to {run.train.kernel_manifest} ({n} in all)")

@@ -182,9 +182,9 @@ class Precompile:
 def start(entries: list[dict], workers: int | None = None) -> Precompile:
     """Compile `entries` in `workers` spawned processes (default: the host's cores, at most one
     per entry) and return at once; `wait()` collects them."""
-    workers = max(1, min(workers or os.cpu_count() or 1, len(entries) or 1))
     if not entries:
         return Precompile(0, 0)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(entries)))
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
     job = Precompile(len(entries), workers, pool=pool)
     job.futures = [pool.submit(compile_entry, e) for e in entries]
