@@ -136,3 +136,64 @@ def test_a_run_with_a_manifest_trains_and_leaves_it_whole_on_cpu(tmp_path):
     assert path.read_text() == before and precompile.load(path) == []
     row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
     assert "kernel_precompiled" not in row  # nothing precompiled on a CPU
+
+
+class _Cpu:
+    device_type = "cpu"
+
+
+def test_a_manifest_run_records_each_calls_variants_and_counts_them(tmp_path, monkeypatch):
+    # The drivers' side (the CLI's steps, the verl engine's calls): what a call compiles is
+    # counted in its end(), and rank 0 adds the variants to the manifest, each once.
+    from longmoe.train.kernel_manifest import ManifestRun
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "kernels.json"
+    run = ManifestRun(str(path), _Cpu(), 0, "call")
+    try:
+        _compile_l2norm(8, 2)  # before the first call: not the call's
+        run.begin()
+        _compile_l2norm(8, 8)
+        lines, compiles, first = run.end()
+        assert compiles["kernel_compiles"] == 1 and first == {}
+        assert lines == [f"train.kernel_manifest: 2 new variant(s) of call 1 added to {path} "
+                         "(2 in all)"]
+        run.begin()
+        _compile_l2norm(8, 8)  # compiled in this process already: nothing new
+        lines, compiles, _ = run.end(7)
+        assert lines == [] and compiles["kernel_compiles"] == 0
+    finally:
+        run.close()
+    assert len(precompile.load(path)) == 2
+    other = ManifestRun(str(tmp_path / "other.json"), _Cpu(), 1)  # rank 1 records nothing
+    try:
+        other.begin()
+        _compile_l2norm(32, 4)
+        assert other.end()[0] == [] and not (tmp_path / "other.json").exists()
+    finally:
+        other.close()
+
+
+def test_the_pool_is_collected_when_asked_or_found_finished(tmp_path):
+    # A log-prob call (collect=False) does not wait for a pool still compiling the backward's
+    # variants; one that finds it done, or the first training call, collects it.
+    from concurrent.futures import Future
+
+    from longmoe.train.kernel_manifest import ManifestRun
+    run = ManifestRun("", _Cpu(), 0, "call")
+    futures = [Future(), Future()]
+    pre = precompile.Precompile(2, 2, futures=futures)
+    for f in futures:
+        f.add_done_callback(pre._finished)
+    run.pre = pre
+    try:
+        assert run.end(collect=False)[2] == {} and run.pre is pre
+        futures[0].set_result(0.5)
+        futures[1].set_exception(RuntimeError("stale"))
+        lines, _, first = run.end(collect=False)
+        assert run.pre is None and first["kernel_precompiled"] == 1
+        assert first["kernel_precompile_s"] == pytest.approx(pre.t_end - pre.t0)
+        assert lines == [": ".join(["train.kernel_manifest", "2 variant(s) from  compiled by 2 "
+                                    f"process(es) in {first['kernel_precompile_s']:.1f} s from "
+                                    "the model build on; 1 failed (their launches compile them)"])]
+    finally:
+        run.close()

@@ -523,3 +523,27 @@ def test_verl_infer_syncs_no_more_than_direct(verl_env, budget):
     assert cv["syncs_before"] + cv["syncs_after"] <= cd["syncs_before"] + cd["syncs_after"], report
     assert cv["device_ops"] / cv["forwards"] <= cd["device_ops"] / cd["forwards"], report
     assert cv["blocking_h2d"] == 0, report
+
+
+def test_kernel_manifest_is_checked_and_each_call_watched(verl_env, tmp_path):
+    # train.kernel_manifest under verl: a bad one is one line naming the field before the
+    # model is built; a good one runs every call through the run's manifest watch (on a CPU
+    # nothing compiles, so the file stays as it was).
+    from longmoe.ops.kernels import precompile
+    pt, path = reference("tiny", verl_env)
+    with pytest.raises(ValueError, match=r"^train.kernel_manifest: .* its directory does not "
+                                         r"exist$"):
+        worker(path, "tiny", extra=[f"train.kernel_manifest={tmp_path / 'no' / 'k.json'}"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="^train.kernel_manifest: .*not a readable kernel"):
+        worker(path, "tiny", extra=[f"train.kernel_manifest={bad}"])
+    good = tmp_path / "k.json"
+    precompile.merge(good, [])
+    before = good.read_text()
+    samples, td = ragged(pt.run.model.vocab_size, "left", n=4, seed=1)
+    td, _ = _train_inputs(pt, td, samples)
+    w = worker(path, "tiny", max_tokens=24, extra=[f"train.kernel_manifest={good}"])
+    train_mini_batch(w, td, 4)
+    assert w.engine.manifest.done >= 1 and w.engine.manifest.pre is None
+    assert good.read_text() == before

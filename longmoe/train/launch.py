@@ -20,6 +20,7 @@ from longmoe.errors import UserError
 from longmoe.parallel.mesh import validate_layout
 from longmoe.train.config import RunConfig
 from longmoe.train.impl_check import check_named_impls, check_on_rank
+from longmoe.train.kernel_manifest import check_kernel_manifest
 from longmoe.train.feed import check_data, mode
 from longmoe.train.setup import run_local_tokens, torch_dtype
 from longmoe.train.supervise import (Interrupted, TrainingStopped, launch_dir, say,
@@ -93,20 +94,6 @@ def validate(run: RunConfig, nproc: int, local_ranks: int | None = None):
     else:  # GPU ranks check on their own device (here it would open a device context)
         check_named_impls(run.impl, backend.device(0), torch_dtype(run.parallel.param_dtype))
     return backend
-
-
-def check_kernel_manifest(path: str):
-    """An existing manifest must read as one; a new one needs a directory to be written in."""
-    import os
-
-    from longmoe.ops.kernels.precompile import load
-    if os.path.exists(path):
-        try:
-            load(path)
-        except ValueError as e:
-            raise UserError(f"train.kernel_manifest: {e}") from None
-    elif not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise UserError(f"train.kernel_manifest: {path}: its directory does not exist")
 
 
 def check_hf_init(run: RunConfig):

@@ -31,13 +31,11 @@ from longmoe.checkpoint.save import save as save_checkpoint
 from longmoe.errors import UserError
 from longmoe.model.flops import dense_peak_flops, step_flops
 from longmoe.ops.gated_delta import gated_delta_choice
-from longmoe.ops.kernels.compile_watch import CompileWatch
-from longmoe.ops.kernels import precompile
-from longmoe.ops.kernels.precompile import Precompile
 from longmoe.train.config import RunConfig
 from longmoe.train.feed import Feed, StepData
 from longmoe.train.progress import Progress
 from longmoe.train.impl_check import check_on_rank
+from longmoe.train.kernel_manifest import ManifestRun
 from longmoe.train.setup import all_finite
 from longmoe.train.supervise import TrainingStopped
 
@@ -73,42 +71,6 @@ def _sum(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
-def start_precompile(run: RunConfig, backend: Backend) -> Precompile | None:
-    """train.kernel_manifest on a GPU: this rank's share of the manifest's variants for this
-    device's target (every local_world-th, from its local rank) compiling in its share of the
-    host's cores."""
-    path = run.train.kernel_manifest
-    if not path or backend.device_type == "cpu" or not os.path.exists(path):
-        return None
-    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()
-                                     if dist.is_initialized() else 1))
-    target = precompile.current_target()
-    if target is None:
-        return None
-    cores = max(1, (os.cpu_count() or 1) // local_world)
-    entries = precompile.for_target(precompile.load(path), target)
-    return precompile.start(entries[local::local_world], workers=cores)
-
-
-def finish_precompile(pre: Precompile, path: str) -> tuple[str, dict]:
-    """Collect the pool after the first step (by then it has finished: its variants go in the
-    order the last run first launched them, ahead of this run's launches, and a launch that
-    gets ahead of it compiles that variant itself, as without a manifest); the line for the log
-    and the fields for the first step's row (kernel_precompiled: variants compiled ahead;
-    kernel_precompile_s: the pool's wall time from its start beside the model build;
-    kernel_precompile_wait_after_s: how long collecting it waited after the first step)."""
-    t0 = time.perf_counter()
-    r = pre.wait()
-    waited = time.perf_counter() - t0
-    failed = (f"; {r['failed']} failed (their launches compile them)" if r["failed"] else "")
-    return (f"train.kernel_manifest: {r['entries']} variant(s) from {path} compiled by "
-            f"{r['workers']} process(es) in {r['wall_s']:.1f} s from the model build on"
-            f"{failed}"), {
-        "kernel_precompiled": r["entries"] - r["failed"], "kernel_precompile_s": r["wall_s"],
-        "kernel_precompile_wait_after_s": waited}
-
-
 def step_profiler(backend: Backend):
     acts = [torch.profiler.ProfilerActivity.CPU]
     if backend.device_type != "cpu":
@@ -130,7 +92,10 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
     """Runs on every rank inside an initialised process group (or alone). Returns rank 0's summary.
     Each step: this rank's share of the data source (longmoe.train.feed), one forward_backward
     and one optim_step of a longmoe.api.PolicyTrainer, the step log, the checkpoint cadence."""
-    pre = start_precompile(run, backend)  # beside the model build below
+    # train.kernel_manifest's pool starts beside the model build below; each step's kernel
+    # compiles go in its log row (with a manifest, rank 0 adds the variants to it)
+    manifest = ManifestRun(run.train.kernel_manifest, backend,
+                           dist.get_rank() if dist.is_initialized() else 0)
     pt = PolicyTrainer(run, backend=backend, device=device)
     rank, world, layout, model = pt.layout.rank, pt.layout.world, pt.layout, pt.model
     feed = Feed(run, layout.data_rank, layout.data_world)
@@ -173,16 +138,11 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
                       f"all-to-all {d.transport.name} ({model.transport_source}), overlap streams "
                       f"{'on' if d.streams.overlaps else 'off (host runs in order)'}")
 
-    # Each step's kernel compiles, in its log row; with a manifest, the variants too (rank 0
-    # adds them to it).
-    watch = CompileWatch(record=bool(run.train.kernel_manifest) and rank == 0).start()
     try:
         _steps(run, opts, backend, device, pt, feed, progress, peak_flops, identity, start,
-               replaced, watch, pre)
+               replaced, manifest)
     finally:
-        watch.stop()
-        if pre is not None and pre.pool is not None:  # stopped before its first step ended
-            pre.pool.shutdown(wait=False, cancel_futures=True)
+        manifest.close()
     if run.train.export_hf:
         if not all_finite(model.parameters(), layout, device):
             raise TrainingStopped("train.export_hf: the parameters are not finite; not exported")
@@ -192,8 +152,7 @@ def train(run: RunConfig, opts: RunOptions, backend: Backend, device: torch.devi
 
 
 def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: PolicyTrainer, feed,
-           progress, peak_flops, identity, start: int, replaced: bool, watch: CompileWatch,
-           pre: Precompile | None = None):
+           progress, peak_flops, identity, start: int, replaced: bool, manifest: ManifestRun):
     """train()'s step loop: data, forward_backward + optim_step, the step log, checkpoints."""
     layout, model, rank, first_bad = pt.layout, pt.model, pt.layout.rank, 0
     for step in range(start, run.train.steps):
@@ -202,20 +161,14 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
         backend.reset_peak_memory()
         prof = (step_profiler(backend) if opts.profile_dir
                 and step == min(start + 2, run.train.steps - 1) else None)
-        watch.take()  # compiles before the step (model build, data) are not the step's
+        manifest.begin()
         t0 = time.perf_counter()
         with prof or contextlib.nullcontext():
             stats = pt.forward_backward(data)
             info = pt.optim_step(stop_on_bad=False)
             backend.synchronize()
         dt = time.perf_counter() - t0
-        compiles = watch.take()
-        if watch.entries:
-            n, added = precompile.merge(run.train.kernel_manifest, watch.entries)
-            if added:
-                progress.info(f"train.kernel_manifest: {added} new variant(s) of step "
-                              f"{step + 1} added to {run.train.kernel_manifest} ({n} in all)")
-            watch.entries.clear()
+        lines, compiles, first = manifest.end(step + 1)
         if prof is not None:
             write_profile(prof, opts.profile_dir, rank, backend)
             progress.info(f"profile of step {step + 1} (timed with the profiler on): "
@@ -225,11 +178,9 @@ def _steps(run: RunConfig, opts: RunOptions, backend: Backend, device, pt: Polic
             first_bad = step + 1
         row = step_metrics(run, layout, data, step, stats, info, dt, pt.lr, backend, device,
                            peak_flops, compiles)
-        if pre is not None and step == start:  # the pool started beside the model build
-            line, pre_row = finish_precompile(pre, run.train.kernel_manifest)
+        row.update(first)  # the manifest's pool, collected after the first step
+        for line in lines:
             progress.info(line)
-            row.update(pre_row)
-            pre = None
         progress.step(row)
         if bad_in_a_row >= run.train.max_bad_steps:
             progress.close()

@@ -50,6 +50,7 @@ from longmoe.integrations.verl.fused import fused_micro_step, fused_run
 from longmoe.integrations.verl.retention import SavedPaths, keep_count, remove_old
 from longmoe.integrations.verl.schedule import RateSchedule, check_optimizer
 from longmoe.train.feed import min_row, pad_multiple
+from longmoe.train.kernel_manifest import ManifestRun, check_kernel_manifest
 from longmoe.train.setup import loss_scale, set_cp_row_length
 from longmoe.train.step import local_micro_batch
 
@@ -84,6 +85,9 @@ class LongMoEEngine(BaseEngine):
         # Built here, host only: verl asks for the data-parallel rank before initialize.
         check_optimizer(optimizer_config)
         self.run = run_config(engine_config, model_config, optimizer_config)
+        if self.run.train.kernel_manifest:
+            check_kernel_manifest(self.run.train.kernel_manifest)
+        self.manifest: ManifestRun | None = None
         if optimizer_config is not None and self.run.optim.warmup_steps:
             raise ConfigError("optim.warmup_steps", "under verl the rate follows actor.optim "
                                                     "(lr_warmup_steps, lr_scheduler_type), "
@@ -115,6 +119,11 @@ class LongMoEEngine(BaseEngine):
     # ---- setup and modes -----------------------------------------------------------------------
 
     def initialize(self):
+        # train.kernel_manifest's pool compiles beside the model build (kernel_manifest.py);
+        # each call's kernel compiles are watched from here on
+        from longmoe.backends import active_backend
+        self.manifest = ManifestRun(self.run.train.kernel_manifest, active_backend(),
+                                    dist.get_rank() if dist.is_initialized() else 0, "call")
         # verl's reference policy (forward_only): parameters stored in the compute dtype, no
         # masters; log-probs bit for bit those of a full trainer (PolicyTrainer docs)
         self.trainer = PolicyTrainer(self.run,
@@ -195,8 +204,22 @@ class LongMoEEngine(BaseEngine):
     # ---- forward / backward --------------------------------------------------------------------
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
+        self.trainer.require_device("longmoe engine: forward_backward_batch")
+        self.manifest.begin()
+        out = self._forward_backward_batch(data, loss_function, forward_only)
+        # the pool is collected after the first training call, or a call that finds it done
+        lines, compiles, _ = self.manifest.end(collect=not forward_only)
+        if compiles and compiles["kernel_compiles"]:
+            lines.append(f"{'log-prob' if forward_only else 'training'} call "
+                         f"{self.manifest.done} compiled {compiles['kernel_compiles']} "
+                         f"kernel(s) in {compiles['kernel_compile_s']:.1f} s")
+        if lines and (not dist.is_initialized() or dist.get_rank() == 0):
+            for line in lines:
+                print(f"longmoe engine: {line}", flush=True)
+        return out
+
+    def _forward_backward_batch(self, data: TensorDict, loss_function, forward_only):
         pt, layout = self.trainer, self.trainer.layout
-        pt.require_device("longmoe engine: forward_backward_batch")
         infer = forward_only and loss_function is None
         if infer and data["input_ids"].device.type != "cpu":
             data = data.cpu()  # verl's micro-batching reads lengths: once, on the host

@@ -164,6 +164,13 @@ class Precompile:
     t0: float = field(default_factory=time.perf_counter)
     futures: list[Future] = field(default_factory=list)
     pool: ProcessPoolExecutor | None = None
+    t_end: float = 0.0  # when the last entry finished (set as each one does)
+
+    def _finished(self, _future):
+        self.t_end = max(self.t_end, time.perf_counter())
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
 
     def wait(self) -> dict:
         """Block until every entry is done: {entries, failed, workers, wall_s, compile_s}."""
@@ -175,8 +182,9 @@ class Precompile:
                 failed += 1
         if self.pool is not None:
             self.pool.shutdown()
+        end = self.t_end if self.futures else time.perf_counter()
         return {"entries": self.entries, "failed": failed, "workers": self.workers,
-                "wall_s": time.perf_counter() - self.t0, "compile_s": spent}
+                "wall_s": end - self.t0, "compile_s": spent}
 
 
 def start(entries: list[dict], workers: int | None = None) -> Precompile:
@@ -188,4 +196,6 @@ def start(entries: list[dict], workers: int | None = None) -> Precompile:
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
     job = Precompile(len(entries), workers, pool=pool)
     job.futures = [pool.submit(compile_entry, e) for e in entries]
+    for f in job.futures:
+        f.add_done_callback(job._finished)
     return job
