@@ -1,8 +1,11 @@
 """`longmoe bench linear-ce`: linear cross-entropy forward+backward, ours against torch naive,
 liger-kernel and cut-cross-entropy, with the 6*T*H*V GEMM floor measured in the same run.
 
-Per (impl, T): median fwd+bwd ms over timed iterations after warm-up (device events), extra peak
-memory over the inputs and their gradients, and the loss (agreement across impls). Peers are
+Per (impl, T): median fwd+bwd ms over timed rounds after warm-up (device events), extra peak
+memory over the inputs and their gradients, and the loss (agreement across impls). Each round
+times every impl once, in an order that rotates, and the floor's GEMM once: all of them under
+the same clocks. "x floor" divides by 6*T*H*V at that GEMM's median rate over the rounds;
+`x_floor_cold_rate` by the rate of 10 GEMMs timed first, on a GPU not yet under load. Peers are
 optional imports: a missing one is recorded as "missing", an OOM as "oom".
 
 "ours"/"ours_rl" are the in-place layout (linear_ce triton_inplace, policy_loss fused_inplace),
@@ -102,87 +105,124 @@ def precision(T: int, H: int, V: int, device, dtype, w_scale: float, names) -> l
     return rows
 
 
-def _gemm_rate(backend, dtype, device, H, V) -> float:
-    """bf16 GEMM FLOP/s at the op's own shape class ([8192, H] @ [H, V])."""
+def _floor_gemm(backend, dtype, device, H, V):
+    """() -> ms of one bf16 [8192, H] @ [H, V] GEMM, the op's own shape class: the floor's rate."""
     a = torch.randn(8192, H, dtype=dtype, device=device)
     b = torch.randn(V, H, dtype=dtype, device=device)
-    for _ in range(3):
-        torch.mm(a, b.T)
-    times = []
-    for _ in range(10):
+
+    def once() -> float:
         t = backend.timer().start()
         torch.mm(a, b.T)
-        times.append(t.stop())
-    return 2 * 8192 * H * V / (statistics.median(times) / 1e3)
+        return t.stop()
+    for _ in range(3):
+        once()
+    return once
 
 
-def _run_one(fn, h, w, y, backend, warmup: int, iters: int) -> dict:
+def _gemm_rate(ms: list[float], H: int, V: int) -> float:
+    return 2 * 8192 * H * V / (statistics.median(ms) / 1e3)
+
+
+def _timed(fn, h, w, y, backend) -> tuple[float, torch.Tensor]:
+    h.grad = w.grad = None
+    t = backend.timer().start()
+    loss = fn(h, w, y)
+    loss.backward()
+    return t.stop(), loss
+
+
+def _peak_and_loss(fn, h, w, y, backend, warmup: int) -> dict:
+    """Warm-up passes, then one pass whose allocator peak above the inputs and their gradients
+    is the extra memory, and its loss."""
     grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
     for _ in range(warmup):
-        h.grad = w.grad = None
-        fn(h, w, y).backward()
-    backend.synchronize()
+        _timed(fn, h, w, y, backend)
     h.grad = w.grad = None
+    backend.synchronize()
     base = backend.memory_allocated()
     backend.reset_peak_memory()
-    times, loss = [], None
-    for _ in range(iters):
-        h.grad = w.grad = None
-        t = backend.timer().start()
-        loss = fn(h, w, y)
-        loss.backward()
-        times.append(t.stop())
+    _, loss = _timed(fn, h, w, y, backend)
     peak = backend.peak_memory_bytes() - base - grad_bytes
-    return {"ms": statistics.median(times), "ms_all": [round(x, 3) for x in times],
-            "extra_peak_bytes": int(peak), "loss": float(loss)}
+    return {"extra_peak_bytes": int(peak), "loss": float(loss)}
+
+
+def _variants(peers, impls, chunks, device) -> list[tuple[str, int | None]]:
+    out = []
+    for name in impls:
+        sweep = [c or None for c in (chunks or [0])]  # 0: the default chunk size
+        out += [(name, c) for c in sweep] if name in OURS else [(name, None)]
+    return out
+
+
+def _make(peers, name, chunk, device):
+    if name in OURS:
+        return _ours_fn(peers, name, device, chunk)
+    return peers[name] if name == "naive" else peers[name]()
 
 
 def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: list[str] | None = None,
               chunks: list[int] | None = None, warmup: int = 2, iters: int = 5) -> dict:
+    """Per T: each variant's warm-up, extra peak and loss apart; then `iters` rounds, each timing
+    one fwd+bwd of every variant (the order rotating by one per round) and one floor GEMM, so
+    every variant and the floor are timed under the same clocks and temperature (a GPU under
+    sustained load clocks down: timed one after another, later variants read slower). Medians
+    over the rounds."""
     backend = active_backend()
     device = backend.device(0)
     impls = impls or ["ours", "ours_rl", "ours_split", "ours_rl_split", "ours_lowp", "ours_rl_lowp",
                       "naive", "liger", "cce"]
     peers = _peers()
-    rate = _gemm_rate(backend, dtype, device, H, V) if device.type != "cpu" else None
-    results = []
+    on_gpu = device.type != "cpu"
+    floor_once = _floor_gemm(backend, dtype, device, H, V) if on_gpu else None
+    cold = _gemm_rate([floor_once() for _ in range(10)], H, V) if on_gpu else None
+    results, rates = [], []
     for T in tokens:
         g = torch.Generator(device=device).manual_seed(T)
         h = (torch.randn(T, H, device=device, generator=g) * 0.5).to(dtype).requires_grad_()
         w = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
         y = torch.randint(0, V, (T,), device=device, generator=g)
-        floor_ms = 6 * T * H * V / rate * 1e3 if rate else None
-        for name in impls:
-            sweep = [c or None for c in (chunks or [0])]  # 0: the default chunk size
-            variants = [(c, {"chunk": c}) for c in sweep] if name in OURS else [(None, {})]
-            for chunk, kw in variants:
-                row = {"impl": name, "T": T, "H": H, "V": V, "chunk_tokens": chunk,
-                       "floor_ms": floor_ms}
-                try:
-                    if name in OURS:
-                        fn = _ours_fn(peers, name, device, kw["chunk"])
-                    elif name == "naive":
-                        fn = peers[name]
-                    else:
-                        fn = peers[name]()
-                    row.update(_run_one(fn, h, w, y, backend, warmup, iters))
-                    if floor_ms:
-                        row["x_floor"] = row["ms"] / floor_ms
-                    row["status"] = "ok"
-                except ImportError as e:
-                    row["status"] = f"missing: {e.name or e}"
-                except torch.OutOfMemoryError:
-                    row["status"] = "oom"
-                except Exception as e:  # a peer that cannot run here; ours must not fail
-                    if name in OURS:
-                        raise
-                    row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                finally:
-                    h.grad = w.grad = None
-                    backend.empty_cache()
-                results.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
+        runs = []  # (row, fn) of the variants that ran
+        for name, chunk in _variants(peers, impls, chunks, device):
+            row = {"impl": name, "T": T, "H": H, "V": V, "chunk_tokens": chunk}
+            try:
+                fn = _make(peers, name, chunk, device)
+                row.update(_peak_and_loss(fn, h, w, y, backend, warmup))
+                row["status"] = "ok"
+                runs.append((row, fn))
+            except ImportError as e:
+                row["status"] = f"missing: {e.name or e}"
+            except torch.OutOfMemoryError:
+                row["status"] = "oom"
+            except Exception as e:  # a peer that cannot run here; ours must not fail
+                if name in OURS:
+                    raise
+                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            finally:
+                h.grad = w.grad = None
+                backend.empty_cache()
+            results.append(row)
+        times = {id(row): [] for row, _ in runs}
+        floor_ms = []
+        for r in range(iters):
+            k = r % max(1, len(runs))
+            for row, fn in runs[k:] + runs[:k]:
+                times[id(row)].append(_timed(fn, h, w, y, backend)[0])
+            if floor_once is not None:
+                floor_ms.append(floor_once())
+        h.grad = w.grad = None
+        rate = _gemm_rate(floor_ms, H, V) if floor_ms else None
+        rates.append({"T": T, "gemm_tflops": rate / 1e12 if rate else None})
+        for row, _ in runs:
+            row["ms"] = statistics.median(times[id(row)])
+            row["ms_all"] = [round(x, 3) for x in times[id(row)]]
+            if rate:
+                row["floor_ms"] = 6 * T * H * V / rate * 1e3
+                row["x_floor"] = row["ms"] / row["floor_ms"]
+                row["x_floor_cold_rate"] = row["ms"] / (6 * T * H * V / cold * 1e3)
+        for row in results[-len(_variants(peers, impls, chunks, device)):]:
+            print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
         del h, w, y
+        backend.empty_cache()
     prec = []
     compared = [n for n in ("ours", "ours_lowp") if n in impls]
     if "ours_split" in impls and compared:
@@ -192,7 +232,8 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
             backend.empty_cache()
     return {"benchmark": "linear-ce", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": backend.probe(), "versions": backend.versions(), "dtype": str(dtype),
-            "gemm_tflops": rate / 1e12 if rate else None, "warmup": warmup, "iters": iters,
+            "timing": "interleaved", "gemm_tflops_cold": cold / 1e12 if cold else None,
+            "gemm_tflops": rates, "warmup": warmup, "iters": iters,
             "results": results, "precision": prec}
 
 
@@ -205,6 +246,12 @@ def markdown_table(report: dict) -> str:
         xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
         lines.append(f"| {r['T']} | {r['impl']} | {r.get('chunk_tokens') or 'auto'} | {r['ms']:.1f} | {xf} | "
                      f"{r['extra_peak_bytes'] / 2**30:.2f} | {r['loss']:.5f} |")
+    rates = report.get("gemm_tflops")
+    if isinstance(rates, list) and any(r.get("gemm_tflops") for r in rates):
+        per_t = ", ".join(f"{r['gemm_tflops']:.0f} at T = {r['T']}" for r in rates
+                          if r.get("gemm_tflops"))
+        lines += ["", f"Floor GEMM ([8192, H] @ [H, V]) TFLOP/s, timed in the rounds: {per_t}; "
+                      f"timed first, not yet under load: {report['gemm_tflops_cold']:.0f}."]
     if report.get("precision"):
         lines += ["", "Against ours_split (fp32 logits, fp32 dW), same inputs:", "",
                   "| impl | T | W scale | log-probs max abs | entropy max abs | dH rel | dW rel |",
