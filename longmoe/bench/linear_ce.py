@@ -244,7 +244,8 @@ def markdown_table(report: dict) -> str:
             lines.append(f"| {r['T']} | {r['impl']} | {r.get('chunk_tokens') or ''} | {r['status']} | | | |")
             continue
         xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
-        lines.append(f"| {r['T']} | {r['impl']} | {r.get('chunk_tokens') or 'auto'} | {r['ms']:.1f} | {xf} | "
+        chunk = (r.get("chunk_tokens") or "auto") if r["impl"] in OURS else ""
+        lines.append(f"| {r['T']} | {r['impl']} | {chunk} | {r['ms']:.1f} | {xf} | "
                      f"{r['extra_peak_bytes'] / 2**30:.2f} | {r['loss']:.5f} |")
     rates = report.get("gemm_tflops")
     if isinstance(rates, list) and any(r.get("gemm_tflops") for r in rates):
