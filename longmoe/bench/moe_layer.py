@@ -43,21 +43,32 @@ from longmoe.train.config import ImplConfig
 
 
 def _timed(backend, fn, iters: int, warmup: int = 2):
-    for _ in range(warmup):
-        fn()
-    backend.synchronize()
-    times, peaks = [], []
-    for _ in range(iters):
-        if dist.is_initialized():
-            dist.barrier()
-        backend.synchronize()
-        base = backend.memory_allocated()
-        backend.reset_peak_memory()
-        with backend.timer() as t:
+    return _timed_rounds(backend, [fn], iters, warmup)[0]
+
+
+def _timed_rounds(backend, fns: list, iters: int, warmup: int = 2) -> list[tuple[float, int]]:
+    """(median ms, peak bytes above the start) per fn: each fn warmed up, then `iters` rounds
+    that time every fn once, the order rotating by one per round, so that the arms compared
+    with each other ran under the same clocks (a GPU under sustained load clocks down: timed
+    one after another, the later arms read slower)."""
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-        times.append(t.elapsed_ms)
-        peaks.append(backend.peak_memory_bytes() - base)
-    return statistics.median(times), max(peaks)
+    backend.synchronize()
+    times, peaks = [[] for _ in fns], [[] for _ in fns]
+    for r in range(iters):
+        k = r % len(fns)
+        for i in list(range(k, len(fns))) + list(range(k)):
+            if dist.is_initialized():
+                dist.barrier()
+            backend.synchronize()
+            base = backend.memory_allocated()
+            backend.reset_peak_memory()
+            with backend.timer() as t:
+                fns[i]()
+            times[i].append(t.elapsed_ms)
+            peaks[i].append(backend.peak_memory_bytes() - base)
+    return [(statistics.median(t), max(p)) for t, p in zip(times, peaks)]
 
 
 def _layer(cfg, rank, world, backend, dtype):
@@ -152,39 +163,45 @@ def _rank(rank, world, backend, spec):
                     torch.autograd.backward([y, aux], [gy, torch.ones_like(aux)])
 
                 base = {"transport": transport, "priority": prio, "T": T}
+                # The arms of this (transport, priority, T), timed in the same rounds: each is
+                # (its row, its dispatcher, the trace name's chunk count or None).
+                arms = []
                 if world == 1 and prio == spec["priorities"][0]:
                     # One rank: the layer without the pipeline (what EP=1 training runs), beside
                     # the pipeline at each chunk count, whose all-to-alls are local copies here.
-                    moe.dispatcher = ExpertDispatcher(E, None, 1)
-                    moe.dispatcher.rows_impl = spec["rows_impl"]
-                    ms, peak = _timed(backend, step, spec["iters"])
-                    rows_out.append({**base, "kind": "direct", "ms": ms, "peak_bytes": peak})
-                    if spec.get("trace_tokens") == T:  # C0 in the name: the unpipelined layer
-                        _trace(step, backend, Path(spec["trace_dir"]) /
-                               f"{transport}_T{T}_C0_rank{rank}.json")
+                    d = ExpertDispatcher(E, None, 1)
+                    d.rows_impl = spec["rows_impl"]
+                    arms.append(({**base, "kind": "direct"}, d, 0))  # C0: the unpipelined layer
                 by = spec.get("chunk_by", "experts")
                 limit = T if by == "tokens" else E // world
                 for C in [c for c in spec["chunks"] if c <= limit]:
-                    moe.dispatcher = ExpertDispatcher(E, group, C, tr, streams,
-                                                      pipeline=world == 1, chunk_by=by)
-                    moe.dispatcher.rows_impl = spec["rows_impl"]
-                    moe.dispatcher.wgrad = spec["wgrad"]
-                    ms, peak = _timed(backend, step, spec["iters"])
-                    rows_out.append({**base, "kind": "layer", "chunks": C, "ms": ms,
-                                     "peak_bytes": peak, "chunk_by": by})
-                    if spec.get("trace_tokens") == T and C in spec["trace_chunks"] and \
-                            prio == spec["priorities"][0]:
+                    d = ExpertDispatcher(E, group, C, tr, streams, pipeline=world == 1, chunk_by=by)
+                    d.rows_impl = spec["rows_impl"]
+                    d.wgrad = spec["wgrad"]
+                    traced = C in spec["trace_chunks"] and prio == spec["priorities"][0]
+                    arms.append(({**base, "kind": "layer", "chunks": C, "chunk_by": by}, d,
+                                 C if traced else None))
+                if (prio == spec["priorities"][0] and spec.get("baseline") == "megatron"
+                        and transport == spec["transports"][0]):
+                    from longmoe.bench.megatron_moe import MegatronDispatch
+                    d = MegatronDispatch(E, group, moe.experts, K, H, cfg.moe_ffn_size, dtype)
+                    arms.append(({**base, "transport": "megatron", "kind": "megatron"}, d, None))
+
+                def with_dispatcher(d):
+                    def run():
+                        moe.dispatcher = d
+                        step()
+                    return run
+                timed = _timed_rounds(backend, [with_dispatcher(d) for _, d, _ in arms],
+                                      spec["iters"])
+                for (row, d, trace_c), (ms, peak) in zip(arms, timed):
+                    rows_out.append({**row, "ms": ms, "peak_bytes": peak})
+                    if spec.get("trace_tokens") == T and trace_c is not None:
+                        moe.dispatcher = d
                         _trace(step, backend, Path(spec["trace_dir"]) /
-                               f"{transport}_T{T}_C{C}_rank{rank}.json")
+                               f"{transport}_T{T}_C{trace_c}_rank{rank}.json")
                 if prio != spec["priorities"][0]:
                     continue
-                if spec.get("baseline") == "megatron" and transport == spec["transports"][0]:
-                    from longmoe.bench.megatron_moe import MegatronDispatch
-                    moe.dispatcher = MegatronDispatch(E, group, moe.experts, K, H,
-                                                      cfg.moe_ffn_size, dtype)
-                    ms, peak = _timed(backend, step, spec["iters"])
-                    rows_out.append({**base, "transport": "megatron", "kind": "megatron",
-                                     "ms": ms, "peak_bytes": peak})
                 with torch.no_grad():
                     idx, _, _ = moe.router(x.detach().view(T, H))
                 plan = plan_routes(idx, E, 1, group)
