@@ -4,12 +4,12 @@ from before the model build on (longmoe.ops.kernels.precompile), and the variant
 compiles or reads from Triton's cache are watched (counted per call, and on rank 0 added to the
 manifest, made if missing).
 
-    run = ManifestRun(run_config, backend, rank)   # before the PolicyTrainer is built
+    run = ManifestRun(path, backend, rank, "call")  # before the PolicyTrainer is built
     ...build, then per step or call:
-    run.begin()                                    # compiles before this point are not its
+    run.begin()                                     # compiles before this point are not its
     ...work...
-    lines, compiles, first = run.end()             # log lines, the call's compile counts,
-                                                   # the pool's fields after the first call
+    lines, compiles, pool = run.end()               # log lines, the call's compile counts,
+                                                    # the pool's fields once it is collected
     run.close()
 """
 
