@@ -200,3 +200,19 @@ def test_inplace_layout_holds_one_logits_chunk_on_gpu():
         h.grad = w.grad = None
     assert peaks["triton_inplace"] < C * V * 4 * 1.05 + T * 64, peaks
     assert peaks["triton"] > C * V * 6, peaks
+
+
+@pytest.mark.parametrize("impl", ["chunked", "chunked_inplace"])
+def test_fused_gradients_take_the_upstream_gradient(impl):
+    # The loss is usually scaled before backward (the trainer's world-size scale): the gradients
+    # computed in the forward are scaled by it in the backward.
+    T, H, V = 23, 8, 37
+    g = torch.Generator().manual_seed(fresh_seed())
+    h = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (T,), generator=g)
+    (linear_cross_entropy(h, w, y, impl=impl, chunk_tokens=5) * -2.5).backward()
+    ref_h, ref_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (torch.nn.functional.cross_entropy(ref_h @ ref_w.T, y) * -2.5).backward()
+    torch.testing.assert_close(h.grad, ref_h.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
