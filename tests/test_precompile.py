@@ -197,3 +197,22 @@ def test_the_pool_is_collected_when_asked_or_found_finished(tmp_path):
                                     "the model build on; 1 failed (their launches compile them)"])]
     finally:
         run.close()
+
+
+def test_one_pool_per_manifest_and_process(tmp_path, monkeypatch):
+    # verl's actor and reference engines in one process: the second run of the same manifest
+    # starts no second pool (it would compile the same variants again).
+    from longmoe.train import kernel_manifest as km
+    started = []
+    monkeypatch.setattr(km, "_POOLS_STARTED", set())
+    monkeypatch.setattr(km, "start_precompile",
+                        lambda path, backend: started.append(path) or precompile.Precompile(0, 0))
+    path = str(tmp_path / "k.json")
+    runs = [km.ManifestRun(path, _Cpu(), 0, "call"), km.ManifestRun(path, _Cpu(), 0, "call"),
+            km.ManifestRun(str(tmp_path / "other.json"), _Cpu(), 0, "call")]
+    try:
+        assert started == [path, str(tmp_path / "other.json")]
+        assert runs[0].pre is not None and runs[1].pre is None
+    finally:
+        for r in runs:
+            r.close()

@@ -72,13 +72,22 @@ def finish_precompile(pre: Precompile, path: str) -> tuple[str, dict]:
         "kernel_precompile_wait_after_s": waited}
 
 
+# Manifests whose pool a ManifestRun of this process started: verl's actor and reference policy
+# can be two engines in one process, and the second would compile the same variants again.
+_POOLS_STARTED: set[str] = set()
+
+
 class ManifestRun:
-    """The pool (started here: build the model after this) and the compile watch of one
-    process. `what` names a step or call in the log lines ("step", "call")."""
+    """The pool (started here, once per manifest and process: build the model after this) and
+    the compile watch of one driver. `what` names a step or call in the log lines ("step",
+    "call")."""
 
     def __init__(self, path: str, backend, rank: int, what: str = "step"):
         self.path, self.what = path, what
-        self.pre = start_precompile(path, backend)  # beside the model build that follows
+        key = os.path.abspath(path) if path else ""
+        self.pre = None if key in _POOLS_STARTED else start_precompile(path, backend)
+        if self.pre is not None:  # beside the model build that follows
+            _POOLS_STARTED.add(key)
         self.watch = CompileWatch(record=bool(path) and rank == 0).start()
         self.done = 0
 
