@@ -146,7 +146,7 @@ def _peak_and_loss(fn, h, w, y, backend, warmup: int) -> dict:
     return {"extra_peak_bytes": int(peak), "loss": float(loss)}
 
 
-def _variants(peers, impls, chunks, device) -> list[tuple[str, int | None]]:
+def _variants(impls, chunks) -> list[tuple[str, int | None]]:
     out = []
     for name in impls:
         sweep = [c or None for c in (chunks or [0])]  # 0: the default chunk size
@@ -182,7 +182,8 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
         w = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype).requires_grad_()
         y = torch.randint(0, V, (T,), device=device, generator=g)
         runs = []  # (row, fn) of the variants that ran
-        for name, chunk in _variants(peers, impls, chunks, device):
+        variants = _variants(impls, chunks)
+        for name, chunk in variants:
             row = {"impl": name, "T": T, "H": H, "V": V, "chunk_tokens": chunk}
             try:
                 fn = _make(peers, name, chunk, device)
@@ -219,7 +220,7 @@ def run_bench(tokens: list[int], H: int, V: int, dtype=torch.bfloat16, impls: li
                 row["floor_ms"] = 6 * T * H * V / rate * 1e3
                 row["x_floor"] = row["ms"] / row["floor_ms"]
                 row["x_floor_cold_rate"] = row["ms"] / (6 * T * H * V / cold * 1e3)
-        for row in results[-len(_variants(peers, impls, chunks, device)):]:
+        for row in results[-len(variants):]:
             print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
         del h, w, y
         backend.empty_cache()

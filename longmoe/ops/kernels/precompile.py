@@ -165,9 +165,11 @@ class Precompile:
     futures: list[Future] = field(default_factory=list)
     pool: ProcessPoolExecutor | None = None
     t_end: float = 0.0  # when the last entry finished (set as each one does)
+    finished: int = 0   # entries whose done callback has run
 
     def _finished(self, _future):
         self.t_end = max(self.t_end, time.perf_counter())
+        self.finished += 1
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -182,7 +184,10 @@ class Precompile:
                 failed += 1
         if self.pool is not None:
             self.pool.shutdown()
-        end = self.t_end if self.futures else time.perf_counter()
+        # A future's result can be read before its done callback has run: until every
+        # callback has, the last entry finished just now.
+        done = self.futures and self.finished == len(self.futures)
+        end = self.t_end if done else time.perf_counter()
         return {"entries": self.entries, "failed": failed, "workers": self.workers,
                 "wall_s": end - self.t0, "compile_s": spent}
 
