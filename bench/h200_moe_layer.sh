@@ -4,7 +4,8 @@
 # itself costs beside the unpipelined layer EP=1 training runs. PART picks one part (each fits a
 # 10-minute call):
 # PART=1: `bench moe-layer --nproc 1` with megatron-core's all-to-all dispatcher beside it
-#         (moe_layer.json); the weight-gradient schedules (moe_layer_wgrad_{auto,delayed}.json);
+#         (moe_layer.json); the pipeline's tax under each weight-gradient schedule, with the
+#         preset's 256 experts and with one EP = 8 rank's 32 (moe_layer_tax{,_32e}.json);
 #         eager against Triton row ops (moe_layer_rows_{torch,triton}.json).
 # PART=2: the row ops alone over tile configs (moe_rows.json), the expert grouped GEMMs
 #         (grouped_mm.json), per-phase memory, the host sync, host time per chunk count.
@@ -19,9 +20,10 @@ moe() { python3 -m longmoe bench moe-layer --nproc 1 --transports process_group 
 case "${PART:-1}" in
   1)
     moe --tokens 16384,32768,65536 --chunks 1,2,4 --iters 10 --baseline megatron --out "$OUT/moe_layer.json"
-    for w in auto delayed; do
-      moe --tokens 16384,32768,65536 --chunks 1,2,4,8 --wgrad $w --out "$OUT/moe_layer_wgrad_$w.json"
-    done
+    # every schedule and chunk count beside the unpipelined layer, timed in the same rounds
+    tax="--tokens 16384,65536 --chunks 1,2,4 --iters 30 --wgrad auto,in_chunks,delayed"
+    moe $tax --out "$OUT/moe_layer_tax.json"
+    moe $tax --experts 32 --out "$OUT/moe_layer_tax_32e.json"
     for r in torch triton; do
       moe --tokens 16384,32768,65536 --chunks 1,4 --rows-impl $r --out "$OUT/moe_layer_rows_$r.json"
     done ;;
@@ -33,7 +35,7 @@ case "${PART:-1}" in
         2>&1 | grep "^|" | tail -12
     python3 -m longmoe bench grouped-mm --tokens 16384,65536 --experts 128 --impls torch,triton \
         --out "$OUT/grouped_mm.json" 2>&1 | grep "^|" | tail -14
-    python3 bench/pipeline_memory.py --tokens 65536 --chunks 1,4,8 --wgrad auto --out "$OUT/pipeline_memory.json" | tail -8
+    python3 bench/pipeline_memory.py --tokens 65536 --chunks 1,4,8 --wgrad in_chunks --out "$OUT/pipeline_memory.json" | tail -8
     python3 bench/sync_cost.py --tokens 16384,65536 --chunks 1,4 --out "$OUT/sync_cost.json" | tail -8
     for T in 16384 65536; do
       python3 bench/host_overhead.py --tokens $T --chunks 1,2,4,8 --profile-ops \

@@ -23,7 +23,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16384,65536")
     ap.add_argument("--chunks", default="1,2,4,8")
-    ap.add_argument("--wgrad", default="auto,delayed")
+    ap.add_argument("--wgrad", default="in_chunks,delayed")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--fp32-matmul", default="high", help="as the trainer's impl.fp32_matmul")

@@ -154,13 +154,21 @@ def _cmd_bench_moe(a) -> int:
     from longmoe.ops.router_matmul import ROUTER_MATMUL
     ROUTER_MATMUL.check_name(a.router_matmul, "--router-matmul")
     from longmoe.parallel.moe_pipeline import WGRAD
-    if a.wgrad not in WGRAD:
-        raise UserError(f"--wgrad: must be one of {', '.join(WGRAD)}, got {a.wgrad!r}")
+    wgrads = [w.strip() for w in a.wgrad.split(",")]
+    for w in wgrads:
+        if w not in WGRAD:
+            raise UserError(f"--wgrad: each must be one of {', '.join(WGRAD)}, got {w!r}")
+    if len(set(wgrads)) < len(wgrads):
+        raise UserError(f"--wgrad: a schedule is listed twice in {a.wgrad!r}")
+    if a.experts is not None and (a.experts < 1 or a.experts % a.nproc):
+        raise UserError(f"--experts: must be a positive multiple of --nproc ({a.nproc}), "
+                        f"got {a.experts}")
     report = run_bench(tokens, chunks, transports, prios, iters, a.nproc, device,
                        trace_tokens=a.trace_tokens, trace_dir=a.trace_dir,
                        trace_chunks=int_list(a.trace_chunks, "--trace-chunks"), smoke=a.smoke,
                        chunk_by=a.chunk_by, baseline=a.baseline, rows_impl=a.rows_impl,
-                       wgrad=a.wgrad, fp32_matmul=a.fp32_matmul, router_matmul=a.router_matmul)
+                       wgrad=wgrads, fp32_matmul=a.fp32_matmul, router_matmul=a.router_matmul,
+                       experts=a.experts)
     write_report(report, a.out)
     return 0
 
@@ -313,8 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--rows-impl", default="auto",
                     help="the layer's row kernels (combine, SwiGLU): auto, triton or reference")
     bm.add_argument("--wgrad", default="auto",
-                    help="the pipeline's weight gradients: auto (inside each chunk's step where "
-                         "it owns its experts) or delayed (all at the end of the layer)")
+                    help="the pipeline's weight gradients, one or a comma list timed in the "
+                         "same rounds: in_chunks (inside each chunk's step where it owns its "
+                         "experts), delayed (all at the end of the layer) or auto (in_chunks "
+                         "where an all-to-all runs beside them or there is one chunk)")
+    bm.add_argument("--experts", type=int,
+                    help="the layer's expert count in place of the preset's (e.g. 32 on one "
+                         "rank: one EP = 8 rank's share)")
     bm.add_argument("--fp32-matmul", help="fp32 GEMM precision on GPUs (the router's): high "
                                           "(TF32) or highest; default: the trainer's "
                                           "impl.fp32_matmul")

@@ -347,6 +347,10 @@ def test_bench_gated_delta_rejects_bad_variants(capsys, variants, msg):
 @pytest.mark.parametrize("argv,flag,msg", [
     (["moe-layer", "--smoke", "--device", "cpu", "--rows-impl", "cuda"], "--rows-impl", "'cuda'"),
     (["moe-layer", "--smoke", "--device", "cpu", "--wgrad", "late"], "--wgrad", "'late'"),
+    (["moe-layer", "--smoke", "--device", "cpu", "--wgrad", "auto,delayed,auto"], "--wgrad",
+     "twice"),
+    (["moe-layer", "--smoke", "--device", "cpu", "--nproc", "2", "--experts", "7"], "--experts",
+     "multiple of --nproc (2)"),
     (["moe-layer", "--smoke", "--device", "cpu", "--fp32-matmul", "tf32"], "--fp32-matmul",
      "'tf32'"),
     (["moe-rows", "--configs", '{"BLOCK_H": 64}'], "--configs", "JSON list"),

@@ -9,8 +9,9 @@ from longmoe.paired.dist_cases import ep_case
 from longmoe.parallel.expert_parallel import chunk_bounds, source_major_to_expert_major
 
 
-# wgrad "auto" runs each chunk's weight gradient right after its dgrad for expert chunks and for
-# one chunk, "delayed" runs them all at the end; token chunks with C > 1 are always delayed.
+# wgrad "in_chunks" runs each chunk's weight gradient right after its dgrad for expert chunks and
+# for one chunk, "delayed" runs them all at the end, "auto" is in_chunks except on one rank with
+# several chunks; token chunks with C > 1 are always delayed.
 @pytest.mark.parametrize("nproc,T,chunks,top_k,skew,by,wgrad", [
     (2, 37, 3, 2, False, "tokens", "auto"),   # chunk count that does not divide the tokens
     (1, 37, 4, 2, False, "tokens", "auto"),   # the pipeline on one rank (local all-to-alls)
@@ -20,7 +21,7 @@ from longmoe.parallel.expert_parallel import chunk_bounds, source_major_to_exper
     (4, 9, 9, 3, False, "tokens", "auto"),    # one token per chunk
     (2, 37, 3, 2, False, "experts", "auto"),  # 3 chunks of 4 local experts (not dividing them)
     (2, 37, 3, 2, False, "experts", "delayed"),
-    (1, 37, 8, 3, False, "experts", "auto"),  # one rank, one expert per chunk
+    (1, 37, 8, 3, False, "experts", "in_chunks"),  # one rank, one expert per chunk
     (2, 29, 4, 1, True, "experts", "auto"),   # top-1, skewed: chunks and experts with no rows
     (2, 29, 4, 1, True, "experts", "delayed"),
     (4, 11, 2, 2, True, "experts", "auto"),   # 4 ranks of 2 experts, one chunk each
@@ -36,7 +37,7 @@ def test_ep_matches_one_process(nproc, T, chunks, top_k, skew, by, wgrad):
 
 
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("wgrad", ["auto", "delayed"])
+@pytest.mark.parametrize("wgrad", ["auto", "in_chunks", "delayed"])
 def test_ep_pipeline_on_one_gpu(wgrad):
     # The pipeline on one GPU rank (local all-to-alls, real streams), both weight-gradient
     # schedules: expert chunks, one chunk, token chunks, top-1 skewed with experts left empty.

@@ -11,6 +11,7 @@ from longmoe.backends.transports import push_plan
 from longmoe.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
 from longmoe.parallel.expert_parallel import check_expert_index, plan_routes
 from longmoe.ops.moe_rows import swiglu, swiglu_backward
+import longmoe.parallel.moe_pipeline as mp
 
 
 def _sizes(g, groups, rows):
@@ -243,17 +244,17 @@ def _backward_peak_moments(wgrad, chunks, by, T, K, H, F, E) -> dict[str, int]:
         assert step < end, (step, end)
         return {"combine": end}
     gemm = 2 * rows(H) + tok  # the dX GEMM (output and products) and dX
-    gemm += rows(2 * F) + dw if wgrad == "auto" else operands  # auto: dY and a freed, dW made
+    gemm += rows(2 * F) + dw if wgrad == "in_chunks" else operands  # dY and a freed, dW made
     return {"combine": end, "dX GEMM": gemm}
 
 
 @pytest.mark.parametrize("chunks,by", [(1, "experts"), (4, "experts"), (3, "tokens")])
 def test_backward_peak_is_what_each_wgrad_schedule_must_hold(chunks, by):
-    # In-chunk weight gradients (wgrad="auto") free each chunk's dY rows and SwiGLU output at its
+    # In-chunk weight gradients (wgrad="in_chunks") free each chunk's dY rows and SwiGLU output at its
     # step; the delayed schedule holds them for the layer and frees each buffer once its last
     # read is issued. The measured peak of each, exact tensor bytes on one rank, is the larger of
     # the moments above, so a buffer held longer than its last read fails it. Measured (MiB;
-    # T 2048, K 2, H 256, F 64, 8 experts): C = 1 auto 13.52, delayed 17.02; C = 4 expert chunks
+    # T 2048, K 2, H 256, F 64, 8 experts): C = 1 in_chunks 13.52, delayed 17.02; C = 4 expert chunks
     # 17.52 both (the CPU combine's copies dominate); C = 3 token chunks 14.38 both (15.01 while
     # each chunk's gradient rows were gathered apart from dY's buffer and copied in). Keeping
     # dY's and the SwiGLU output's buffers to the end of the backward adds 5 MiB to the delayed
@@ -271,7 +272,7 @@ def test_backward_peak_is_what_each_wgrad_schedule_must_hold(chunks, by):
     x = torch.randn(1, T, H, requires_grad=True)
     g = torch.randn_like(x)
     peaks, grads = {}, {}
-    for wgrad in ("auto", "delayed"):
+    for wgrad in ("in_chunks", "delayed"):
         # CPU tensors on any machine (the peak counted is the CPU allocator's), so host streams
         moe.dispatcher = ExpertDispatcher(E, None, chunks, None, HostStreams(), pipeline=True,
                                           chunk_by=by)
@@ -285,8 +286,8 @@ def test_backward_peak_is_what_each_wgrad_schedule_must_hold(chunks, by):
         # slack: the router weights' gradient rows and a few scalars (measured: 16 KiB + 4 B)
         assert 0 <= peaks[wgrad] - max(moments.values()) <= 8 * T * K, (wgrad, peaks, moments)
     if chunks == 1:  # the in-chunk schedule's point: dY's rows and a freed at each step
-        assert peaks["auto"] < peaks["delayed"], peaks
-    for a, b in zip(grads["auto"], grads["delayed"]):
+        assert peaks["in_chunks"] < peaks["delayed"], peaks
+    for a, b in zip(grads["in_chunks"], grads["delayed"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -359,10 +360,11 @@ def _one_rank_layer(route: str):
 
 
 @pytest.mark.parametrize("chunks,by,wgrad,route", [
-    (1, "experts", "auto", "spread"), (2, "experts", "auto", "spread"),
-    (3, "experts", "auto", "spread"),  # unequal expert chunks (3, 3, 2): offsets sliced apart
-    (4, "experts", "auto", "spread"), (4, "experts", "delayed", "spread"),
-    (3, "tokens", "auto", "spread"), (4, "experts", "auto", "underflow")])
+    (1, "experts", "auto", "spread"), (2, "experts", "in_chunks", "spread"),
+    (3, "experts", "in_chunks", "spread"),  # unequal expert chunks (3, 3, 2): offsets apart
+    (4, "experts", "in_chunks", "spread"), (4, "experts", "delayed", "spread"),
+    (4, "experts", "auto", "spread"), (3, "tokens", "in_chunks", "spread"),
+    (4, "experts", "in_chunks", "underflow")])
 def test_one_rank_pipeline_matches_unpipelined_every_gradient(chunks, by, wgrad, route):
     # The one-rank pipeline (one gather for every chunk's expert inputs, per-chunk views from one
     # split, weight-gradient slice copies before the dX GEMM, the router weights' gradient rows
@@ -429,6 +431,7 @@ def test_one_rank_chunk_issues_few_host_ops():
     ops = {}
     for C in (1, 4):
         moe.dispatcher = ExpertDispatcher(8, None, C, None, HostStreams(), pipeline=True)
+        moe.dispatcher.wgrad = "in_chunks"
         with Count() as count:
             y, aux = moe(x)
             torch.autograd.backward([y, aux], [torch.ones_like(y), torch.ones_like(aux)])
@@ -436,10 +439,29 @@ def test_one_rank_chunk_issues_few_host_ops():
     assert (ops[4] - ops[1]) / 3 <= 33, ops
 
 
+@pytest.mark.parametrize("ranks,chunks,by,expected", [
+    (1, 1, "experts", True),    # one chunk writes all of dW: no slice copy, operands freed early
+    (1, 4, "experts", False),   # one rank, several chunks: nothing runs under them, copies do
+    (2, 4, "experts", True),    # the all-to-alls run beside them
+    (2, 1, "tokens", True),
+    (2, 3, "tokens", False),    # token chunks share every expert: never in the chunks
+])
+def test_auto_wgrad_schedule(ranks, chunks, by, expected):
+    # The schedule "auto" picks from the plan's shape alone; the explicit settings are what
+    # they say wherever the chunk owns its experts.
+    from types import SimpleNamespace
+    plan = SimpleNamespace(send=[[0] * ranks], bounds=[(0, 1)] * chunks,
+                           expert_bounds=[(0, 1)] * chunks if by == "experts" else None)
+    pick = {w: mp.ChunkPipeline(plan, 2, None, None, None, wgrad=w).wgrad_in_chunks()
+            for w in mp.WGRAD}
+    owns = by == "experts" or chunks == 1
+    assert pick == {"auto": expected, "in_chunks": owns, "delayed": False}, pick
+
+
 # What a layer step issues beyond the unpipelined layer, counted as launches: each grouped GEMM,
 # weight gradient and row kernel call counts once (as a GPU launches it), every other torch
 # operation (views included) once, and the stream calls apart (longmoe/bench/host_ops.py).
-# Measured (one rank, wgrad auto; T 64, top-2, 8 experts, H 16, F 8, and the same at T 2048,
+# Measured (one rank, wgrad in_chunks; T 64, top-2, 8 experts, H 16, F 8, and the same at T 2048,
 # top-8, 64 experts, H 256, F 128): unpipelined 97; expert chunks C = 1 / 2 / 4: 118 / 147 / 167
 # with 0 / 8 / 16 stream calls beside the backward's 3 fixed ones, so 10 per chunk (its four
 # grouped GEMMs, two weight gradients, SwiGLU and its backward: the unpipelined layer's eight,
@@ -450,10 +472,11 @@ def test_one_rank_chunk_issues_few_host_ops():
 # waits per chunk on dispatch marks one rank never makes); delayed 7 per chunk.
 # Per wgrad schedule: (operations, stream calls) per expert chunk, and the operations beyond the
 # unpipelined layer at C >= 2 (splits, dW buffers, route keys, the router weights' cat).
-PER_CHUNK = {"auto": (10, 4, 30), "delayed": (6, 0, 34)}
+# "auto" is the delayed schedule on one rank with several chunks (test_auto_wgrad_schedule).
+PER_CHUNK = {"in_chunks": (10, 4, 30), "delayed": (6, 0, 34), "auto": (6, 0, 34)}
 
 
-@pytest.mark.parametrize("wgrad", ["auto", "delayed"])
+@pytest.mark.parametrize("wgrad", ["in_chunks", "delayed", "auto"])
 def test_one_rank_chunk_host_work_per_chunk(wgrad):
     # A chunk issues its kernels, its dW slice copies and their stream calls, nothing else: each
     # further chunk adds PER_CHUNK's counts, and a chunked layer stays within its fixed count of

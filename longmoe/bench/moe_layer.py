@@ -174,13 +174,16 @@ def _rank(rank, world, backend, spec):
                     arms.append(({**base, "kind": "direct"}, d, 0))  # C0: the unpipelined layer
                 by = spec.get("chunk_by", "experts")
                 limit = T if by == "tokens" else E // world
-                for C in [c for c in spec["chunks"] if c <= limit]:
-                    d = ExpertDispatcher(E, group, C, tr, streams, pipeline=world == 1, chunk_by=by)
-                    d.rows_impl = spec["rows_impl"]
-                    d.wgrad = spec["wgrad"]
-                    traced = C in spec["trace_chunks"] and prio == spec["priorities"][0]
-                    arms.append(({**base, "kind": "layer", "chunks": C, "chunk_by": by}, d,
-                                 C if traced else None))
+                for i, wgrad in enumerate(spec["wgrads"]):  # the first is the summary's
+                    for C in [c for c in spec["chunks"] if c <= limit]:
+                        d = ExpertDispatcher(E, group, C, tr, streams, pipeline=world == 1,
+                                             chunk_by=by)
+                        d.rows_impl = spec["rows_impl"]
+                        d.wgrad = wgrad
+                        traced = (C in spec["trace_chunks"] and prio == spec["priorities"][0]
+                                  and i == 0)
+                        arms.append(({**base, "kind": "layer", "chunks": C, "chunk_by": by,
+                                      "wgrad": wgrad}, d, C if traced else None))
                 if (prio == spec["priorities"][0] and spec.get("baseline") == "megatron"
                         and transport == spec["transports"][0]):
                     from longmoe.bench.megatron_moe import MegatronDispatch
@@ -275,9 +278,11 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
     out = []
     keys = sorted({(r["transport"], r["priority"], r["T"]) for r in rows if r["kind"] == "layer"},
                   key=lambda k: (k[0], k[1], k[2]))
+    first = next((r.get("wgrad") for r in rows if r["kind"] == "layer"), None)
     for tr, prio, T in keys:
         layer = {r["chunks"]: r for r in rows if r["kind"] == "layer" and
-                 (r["transport"], r["priority"], r["T"]) == (tr, prio, T)}
+                 (r["transport"], r["priority"], r["T"]) == (tr, prio, T) and
+                 r.get("wgrad") == first}
         if 1 not in layer:
             continue
         pick = lambda kind: next((r for r in rows if r["kind"] == kind and  # noqa: E731
@@ -314,8 +319,12 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
 def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, preset="qwen3.5-35b-a3b",
               dtype="bfloat16", trace_tokens=None, trace_dir=None, trace_chunks=(1, 8),
               smoke=False, chunk_by="experts", baseline: str | None = None,
-              rows_impl: str = "auto", wgrad: str = "auto",
-              fp32_matmul: str | None = None, router_matmul: str = "auto") -> dict:
+              rows_impl: str = "auto", wgrad: str | list[str] = "auto",
+              fp32_matmul: str | None = None, router_matmul: str = "auto",
+              experts: int | None = None) -> dict:
+    """`wgrad`: one weight-gradient schedule or several, each timed at every C in the same
+    rounds (the first is the summary's). `experts`: the layer's expert count in place of the
+    preset's (e.g. one EP = 8 rank's share on one device)."""
     from longmoe.backends import get_backend
     from longmoe.paired.spawn import run_ranks
     from longmoe.tuning import default_chunks
@@ -323,16 +332,20 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
     cfg = get_preset(preset)
     if smoke:
         cfg = get_preset("tiny").replace(num_experts=8, top_k=2)
+    if experts:
+        cfg = cfg.replace(num_experts=experts)
+    wgrads = [wgrad] if isinstance(wgrad, str) else list(wgrad)
     spec = {"model": dataclasses.asdict(cfg), "dtype": dtype, "tokens": tokens, "chunks": chunks,
             "transports": transports, "priorities": priorities, "iters": iters,
             "trace_tokens": trace_tokens, "trace_chunks": list(trace_chunks),
             "trace_dir": str(trace_dir or ""), "chunk_by": chunk_by, "baseline": baseline,
-            "rows_impl": rows_impl, "wgrad": wgrad,
+            "rows_impl": rows_impl, "wgrads": wgrads,
             "fp32_matmul": fp32_matmul or ImplConfig().fp32_matmul, "router_matmul": router_matmul}
     per_rank = run_ranks(_rank, nproc, spec, device=device)
     rows = merge(per_rank)
     report = {
-        "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl, "wgrad": wgrad,
+        "bench": "moe-layer", "chunk_by": chunk_by, "rows_impl": rows_impl, "wgrad": wgrads[0],
+        "wgrads": wgrads,
         "fp32_matmul": spec["fp32_matmul"], "router_matmul": router_matmul,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": backend.probe().get("device_name") or backend.name, "nproc": nproc,
@@ -342,7 +355,7 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
         "layer": {"hidden": cfg.hidden_size, "experts": cfg.num_experts, "top_k": cfg.top_k,
                   "moe_ffn": cfg.moe_ffn_size, "shared_ffn": cfg.shared_expert_ffn_size,
                   "dtype": dtype, "ep": nproc},
-        "rows": rows, "summary": summarize(rows, default_chunks)}
+        "rows": rows, "summary": summarize(rows, default_chunks), "tax": pipeline_tax(rows)}
     if trace_tokens and trace_dir:
         report["traces"] = _keep_critical_traces(Path(trace_dir), rows, trace_tokens, nproc)
     return report
@@ -365,6 +378,22 @@ def _keep_critical_traces(d: Path, rows, T, nproc) -> list[str]:
         for r in range(nproc):
             (d / f"{stem}_rank{r}.json").unlink(missing_ok=True)
     return kept
+
+
+def pipeline_tax(rows: list[dict]) -> list[dict]:
+    """One rank: each pipelined arm (weight-gradient schedule, C) against the unpipelined layer
+    timed in the same rounds, time and peak memory."""
+    out = []
+    for d in (r for r in rows if r["kind"] == "direct"):
+        for r in rows:
+            if r["kind"] == "layer" and (r["transport"], r["priority"], r["T"]) == \
+                    (d["transport"], d["priority"], d["T"]):
+                out.append({"T": r["T"], "wgrad": r.get("wgrad"), "chunks": r["chunks"],
+                            "ms": r["ms"], "unpipelined_ms": d["ms"],
+                            "over_unpipelined": r["ms"] / d["ms"] - 1,
+                            "peak_gib": r["peak_bytes"] / 2**30,
+                            "unpipelined_peak_gib": d["peak_bytes"] / 2**30})
+    return out
 
 
 def _pct(v) -> str:
@@ -402,6 +431,16 @@ def markdown_table(report: dict) -> str:
             m, d = s.get("megatron_ms"), s.get("direct_ms")
             cells.append(_pct(m / d - 1) if m and d else "")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    tax = report.get("tax") or []
+    if tax:
+        lines += ["", "Pipeline tax (one rank: nothing to overlap), against the unpipelined "
+                  "layer timed in the same rounds:", "",
+                  "| T | wgrad | C | ms | unpipelined ms | tax | peak GiB | unpipelined peak GiB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for t in tax:
+            lines.append(f"| {t['T']} | {t['wgrad']} | {t['chunks']} | {_ms(t['ms'])} | "
+                         f"{_ms(t['unpipelined_ms'])} | {_pct(t['over_unpipelined'])} | "
+                         f"{t['peak_gib']:.2f} | {t['unpipelined_peak_gib']:.2f} |")
     return "\n".join(lines)
 
 

@@ -62,8 +62,9 @@ class ExpertDispatcher:
         # which measures what chunking itself costs on a single device.
         self.pipeline = pipeline
         self.rows_impl = "auto"  # the combine/dispatch-gradient row kernels (ops/moe_rows.py)
-        # "auto": each chunk's weight gradient right after its dgrad where it writes only its own
-        # experts' slice; "delayed": all at the end of the layer (moe_pipeline.py).
+        # "in_chunks": each chunk's weight gradient right after its dgrad where it writes only its
+        # own experts' slice; "delayed": all at the end of the layer; "auto": in the chunks where
+        # an all-to-all runs beside them or there is one chunk (moe_pipeline.py).
         self.wgrad = "auto"
 
     def __call__(self, x_TH, idx_TK, w_TK, experts, fill=None) -> torch.Tensor:

@@ -13,8 +13,8 @@ Dispatch of chunk c+2 is issued behind the combine of chunk c, so while chunk c+
 run, the comm stream carries the combine of c and the dispatch of c+2. The backward mirrors it:
 gradient dispatch of chunk c+2 and the dgrad combine of chunk c run under chunk c+1's dgrad GEMMs.
 
-Weight gradients (wgrad="auto"): where a chunk's experts are its own (expert chunks, or a single
-chunk), its weight gradients run inside its step, each as soon as its operands exist: dW_out
+Weight gradients (wgrad="in_chunks"): where a chunk's experts are its own (expert chunks, or a
+single chunk), its weight gradients run inside its step, each as soon as its operands exist: dW_out
 right after the SwiGLU backward (so dY's rows and the SwiGLU output are freed before dX's rows
 are made), dW_in after dX's rows are handed to the combine, under it. A chunk's operands then
 live for one chunk, not the layer, and every chunk's compute grows by its wgrad, which the comm
@@ -29,6 +29,12 @@ Per-chunk wgrads of token chunks would each write a weight-sized tensor (0.75 ms
 weight for 128 local experts on an H200), and so would a (chunk, expert)-grouped GEMM's C
 partials plus their sum; scattering rows into an expert-major layout as each chunk finishes
 (index_put) ran at a third of copy bandwidth, the gather at full.
+wgrad="auto" runs them in the chunks where an all-to-all runs beside them (an EP group of more
+than one rank) or where one chunk writes the whole dW (no slice copy), and delays them on one rank
+with several chunks: there nothing runs under them, and each chunk's slice of dW is a copy
+(torch._grouped_mm has no out=), 1.5 GiB per layer step for 256 local experts; on an H100 at 16K
+tokens the in-chunk schedule read +11% / +14% over the unpipelined layer at C = 2 / 4 against the
+delayed one's +0.3% / +1.4% (docs/primitives/chunked_ep.md).
 
 A chunk is a range of each rank's local experts (plan.expert_bounds: every token's assignments to
 them; its GEMMs read only those experts' weights) or a token range. Combines never use atomics:
@@ -71,7 +77,7 @@ from longmoe.ops.moe_rows import MOE_ROWS, gather_sum_parts
 from longmoe.parallel.routing import RoutePlan, inverse_permutation, source_major_to_expert_major
 
 
-WGRAD = ("auto", "delayed")
+WGRAD = ("auto", "in_chunks", "delayed")
 
 
 class ChunkPipeline:
@@ -91,8 +97,12 @@ class ChunkPipeline:
 
     def wgrad_in_chunks(self) -> bool:
         """Whether each chunk's weight gradient runs right after its dgrad (it writes only its
-        own experts' slice: expert chunks, or one chunk) rather than once at the end."""
-        return self.wgrad == "auto" and (self.by_experts or len(self.plan.bounds) == 1)
+        own experts' slice: expert chunks, or one chunk) rather than once at the end. "auto":
+        so where an all-to-all runs beside it or one chunk writes all of dW (module docstring)."""
+        one = len(self.plan.bounds) == 1
+        if self.wgrad == "delayed" or not (self.by_experts or one):
+            return False
+        return self.wgrad == "in_chunks" or not self.local or one
 
     def run(self, x_TH, w_TK, w_in, w_out, impl: str = "auto"):
         """The routed output without the last chunk's combine, which is left in flight: call
