@@ -129,6 +129,13 @@ def test_layer_on_gpu_reads_nothing_back():
     run(False)
     got = run(False, check_syncs=True)
     want = run(True)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2, msg=f"seed {seed}")
+    # The two paths round in bf16 at different points. The gradients of sum(y^2) reach several
+    # hundred here, where one bf16 step is 2-8, and a sum of such terms can cancel to near zero:
+    # an absolute tolerance against the tensor's largest entry, and its error norm against its
+    # norm (bf16 rounding alone: 2-5e-3 on a CPU; a wrong gradient is of order 1).
+    for name, a, b in zip(("y", "x.grad", "w_in.grad"), got, want):
+        top = float(b.abs().max())
+        torch.testing.assert_close(a, b, atol=2e-2 * top, rtol=2e-2,
+                                   msg=lambda m: f"{name}, seed {seed}: {m}")
+        assert float((a - b).norm()) <= 1e-2 * float(b.norm()), (name, seed)
     assert got[2].abs().sum() > 0
