@@ -36,4 +36,6 @@ def test_every_schedule_is_timed_and_taxed_against_the_unpipelined_layer(tmp_pat
         assert abs(t["over_unpipelined"] - (r["ms"] / direct["ms"] - 1)) < 1e-12
     first = {r["chunks"]: r["ms"] for r in layer if r["wgrad"] == "delayed"}
     assert rep["summary"][0]["nochunk_ms"] == first[1]
+    # one rank issues no all-to-all: no hidden fraction is claimed for it
+    assert "hidden_fraction" not in rep["summary"][0] and "comm_ms" in rep["summary"][0]
     assert "Pipeline tax" in (tmp_path / "tax.md").read_text()

@@ -273,8 +273,10 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
     return out
 
 
-def summarize(rows: list[dict], default_chunks) -> list[dict]:
-    """Per (transport, priority, T): baseline, best and default chunk counts, hidden fraction."""
+def summarize(rows: list[dict], default_chunks, ranks: int = 2) -> list[dict]:
+    """Per (transport, priority, T): baseline, best and default chunk counts, hidden fraction
+    (none on one rank: its pipeline issues no all-to-all, so there is nothing to hide and a gap
+    between chunk counts is the schedule's, not overlap)."""
     out = []
     keys = sorted({(r["transport"], r["priority"], r["T"]) for r in rows if r["kind"] == "layer"},
                   key=lambda k: (k[0], k[1], k[2]))
@@ -308,10 +310,11 @@ def summarize(rows: list[dict], default_chunks) -> list[dict]:
         if dflt in layer:
             s.update(default_ms=layer[dflt]["ms"], speedup_default=base / layer[dflt]["ms"] - 1)
         if comm and gemm:
-            frac, noise = hidden_fraction(base, layer[best_c]["ms"], comm["ms"], gemm["ms"])
             s.update(comm_ms=comm["ms"], gemm_ms=gemm["ms"],
-                     comm_GBps=comm["bytes"] / comm["ms"] / 1e6, hidden_fraction=frac,
-                     hidden_noise=noise)
+                     comm_GBps=comm["bytes"] / comm["ms"] / 1e6)
+            if ranks > 1:
+                frac, noise = hidden_fraction(base, layer[best_c]["ms"], comm["ms"], gemm["ms"])
+                s.update(hidden_fraction=frac, hidden_noise=noise)
         out.append(s)
     return out
 
@@ -355,7 +358,7 @@ def run_bench(tokens, chunks, transports, priorities, iters, nproc, device, pres
         "layer": {"hidden": cfg.hidden_size, "experts": cfg.num_experts, "top_k": cfg.top_k,
                   "moe_ffn": cfg.moe_ffn_size, "shared_ffn": cfg.shared_expert_ffn_size,
                   "dtype": dtype, "ep": nproc},
-        "rows": rows, "summary": summarize(rows, default_chunks), "tax": pipeline_tax(rows)}
+        "rows": rows, "summary": summarize(rows, default_chunks, nproc), "tax": pipeline_tax(rows)}
     if trace_tokens and trace_dir:
         report["traces"] = _keep_critical_traces(Path(trace_dir), rows, trace_tokens, nproc)
     return report
