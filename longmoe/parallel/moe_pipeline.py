@@ -29,12 +29,9 @@ Per-chunk wgrads of token chunks would each write a weight-sized tensor (0.75 ms
 weight for 128 local experts on an H200), and so would a (chunk, expert)-grouped GEMM's C
 partials plus their sum; scattering rows into an expert-major layout as each chunk finishes
 (index_put) ran at a third of copy bandwidth, the gather at full.
-wgrad="auto" runs them in the chunks where an all-to-all runs beside them (an EP group of more
-than one rank) or where one chunk writes the whole dW (no slice copy), and delays them on one rank
-with several chunks: there nothing runs under them, and each chunk's slice of dW is a copy
-(torch._grouped_mm has no out=), 1.5 GiB per layer step for 256 local experts; on an H100 at 16K
-tokens the in-chunk schedule read +11% / +14% over the unpipelined layer at C = 2 / 4 against the
-delayed one's +0.3% / +1.4% (docs/primitives/chunked_ep.md).
+wgrad="auto": in the chunks at EP > 1 (the all-to-alls run beside them) or with one chunk (no dW
+slice copy); delayed on one rank with several chunks, where nothing runs under them and every
+slice is a copy (measured: docs/primitives/chunked_ep.md).
 
 A chunk is a range of each rank's local experts (plan.expert_bounds: every token's assignments to
 them; its GEMMs read only those experts' weights) or a token range. Combines never use atomics:
@@ -97,8 +94,8 @@ class ChunkPipeline:
 
     def wgrad_in_chunks(self) -> bool:
         """Whether each chunk's weight gradient runs right after its dgrad (it writes only its
-        own experts' slice: expert chunks, or one chunk) rather than once at the end. "auto":
-        so where an all-to-all runs beside it or one chunk writes all of dW (module docstring)."""
+        own experts' slice: expert chunks, or one chunk) rather than once at the end; "auto" as
+        the module docstring says."""
         one = len(self.plan.bounds) == 1
         if self.wgrad == "delayed" or not (self.by_experts or one):
             return False
